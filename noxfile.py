@@ -1,0 +1,50 @@
+"""Developer sessions for trio-enginecore.
+
+A bare ``nox`` runs the default set: lint, typecheck and tests. ``nox -l`` lists
+every session with its description.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+
+
+def _group(name: str) -> list[str]:
+    return list(nox.project.dependency_groups(PYPROJECT, name))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (real engine processes and ZMQ sockets on loopback/ipc)."""
+    session.install("-e", ".", *_group("test"))
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff lint (including the flake8-async rules) and format check."""
+    session.install(*_group("lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict and pyright (strict) on the package."""
+    session.install("-e", ".", *_group("typecheck"))
+    session.run("mypy", "trio_enginecore", "noxfile.py")
+    session.run("pyright", "trio_enginecore")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run the demo against the built-in reference engine."""
+    session.install("-e", ".")
+    session.run("trio-enginecore", "demo", *session.posargs)

@@ -3,16 +3,151 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .config import MODELS, EngineConfig
 
 _NOT_BUILT = {
-    "demo": "the demo runs on the built-in reference engine, which is not built yet",
-    "serve": "the reference engine process is not built yet",
+    "demo": "the demo needs the engine client, which is not built yet",
     "bench": "the benchmark harness is not built yet",
 }
+
+_SERVE_DESCRIPTION = """\
+Run one reference EngineCore process. It speaks vLLM 0.33's engine-core protocol, so
+trio-enginecore clients and vLLM's own clients can drive it.
+
+Two ways to start:
+  attach mode     --input-address A --output-address B: connect straight to a client
+                  that bound those addresses (vLLM's `client_addresses`), send the
+                  ready message and serve.
+  handshake mode  --handshake-address H: say HELLO to the client at H, receive the
+                  addresses to serve, then serve and report READY.
+
+SIGTERM or SIGINT drains: new requests are refused, in-flight ones may finish for
+--drain-timeout-s seconds, the rest are aborted, and the process exits 0. A second
+signal stops at once. Exit codes: 0 drained, 1 fatal engine error (after sending
+ENGINE_CORE_DEAD to the clients), 2 bad command line, 3 startup failed.
+"""
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> None:
+    serve = parser
+    where = serve.add_argument_group("where to serve (attach mode or handshake mode)")
+    where.add_argument(
+        "--input-address",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a client's ROUTER address to connect a DEALER to (attach mode; repeat for "
+        "several clients, in client-index order)",
+    )
+    where.add_argument(
+        "--output-address",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a client's PULL address to PUSH outputs to (attach mode; one per input)",
+    )
+    where.add_argument(
+        "--handshake-address",
+        metavar="ADDR",
+        help="a client's handshake ROUTER address (handshake mode)",
+    )
+    where.add_argument(
+        "--headless",
+        action="store_true",
+        help="this engine runs on another host than the client (reported in the handshake)",
+    )
+    where.add_argument(
+        "--handshake-timeout-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="how long to wait for the client's handshake reply (default: 300)",
+    )
+    defaults = EngineConfig()
+    engine = serve.add_argument_group("engine configuration")
+    engine.add_argument(
+        "--model",
+        choices=MODELS,
+        default=defaults.model,
+        help="built-in model: 'counter' (each token is the previous one + 1; for tests) or "
+        "'ngram' (a small byte-level language model; for demos) (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--rank",
+        type=int,
+        default=defaults.data_parallel_rank,
+        help="data-parallel rank; the DEALER identity is rank.to_bytes(2, 'little') "
+        "(default: %(default)s)",
+    )
+    engine.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=defaults.data_parallel_size,
+        help="number of data-parallel ranks (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary size (default: the model's own: counter 32000, ngram 257)",
+    )
+    engine.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults.max_num_seqs,
+        help="requests per step; the rest wait (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=defaults.max_model_len,
+        help="maximum prompt + output tokens of a request (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-loras",
+        type=int,
+        default=defaults.max_loras,
+        help="LoRA adapters that can be registered at once (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--step-time-s",
+        type=float,
+        default=defaults.step_time_s,
+        help="simulated accelerator time per step, in seconds (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="sampling seed for requests without their own (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--log-stats",
+        action="store_true",
+        help="attach scheduler stats and request events to outputs",
+    )
+    engine.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=defaults.drain_timeout_s,
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="enable the inject_fault utility that kills the engine on purpose (tests only)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level on stderr (default: %(default)s)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,15 +157,65 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("demo", help="stream a generation from the built-in engine")
-    commands.add_parser("serve", help="run a reference EngineCore process")
+    commands.add_parser("demo", help="stream generations from the built-in engine")
+    _serve_parser(
+        commands.add_parser(
+            "serve",
+            help="run a reference EngineCore process",
+            description=_SERVE_DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     commands.add_parser("bench", help="measure the client against baselines")
     return parser
 
 
+def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .engine._serve import serve
+
+    attach = bool(args.input_address or args.output_address)
+    if attach == (args.handshake_address is not None):
+        parser.error("serve needs either --input-address/--output-address or --handshake-address")
+    if attach and len(args.input_address) != len(args.output_address):
+        parser.error("give one --output-address per --input-address")
+    try:
+        config = EngineConfig(
+            model=args.model,
+            vocab_size=args.vocab_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_loras=args.max_loras,
+            step_time_s=args.step_time_s,
+            seed=args.seed,
+            log_stats=args.log_stats,
+            drain_timeout_s=args.drain_timeout_s,
+            data_parallel_size=args.data_parallel_size,
+            data_parallel_rank=args.rank,
+            enable_fault_injection=args.enable_fault_injection,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    return serve(
+        config,
+        inputs=args.input_address,
+        outputs=args.output_address,
+        handshake_address=args.handshake_address,
+        headless=args.headless,
+        handshake_timeout_s=args.handshake_timeout_s,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trio-enginecore`` console script."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _run_serve(parser, args)
     reason = _NOT_BUILT[args.command]
     print(f"trio-enginecore {args.command}: not built yet ({reason}).", file=sys.stderr)
     return 1

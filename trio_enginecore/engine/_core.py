@@ -1,0 +1,698 @@
+"""EngineCore: the reference engine's scheduler and utility methods, free of I/O.
+
+The process around it (:mod:`trio_enginecore.engine._proc`) feeds it decoded requests
+and sends what it returns; everything here is synchronous and deterministic, so it is
+unit-tested without sockets.
+
+Scheduling follows vLLM v1's continuous batching, simplified to one new token per
+running request per step: waiting requests join the batch in arrival order while fewer
+than ``max_num_seqs`` run; a request leaves the batch when it finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, Literal, TypeVar, get_type_hints
+
+import msgspec
+import numpy as np
+
+from ..config import EngineConfig
+from ..protocol import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    FinishReason,
+    LoRARequest,
+    RequestError,
+    SchedulerStats,
+    UtilityOutput,
+    UtilityResult,
+)
+from ._models import Model, make_model
+
+__all__ = ["EngineCore", "FatalEngineError", "PauseMode", "utility"]
+
+logger = logging.getLogger("trio_enginecore.engine")
+
+VLLM_COMPAT_VERSION: Final = "0.33.0"
+PauseMode = Literal["abort", "wait", "keep"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class FatalEngineError(Exception):
+    """An error the engine cannot continue after (the process reports ENGINE_CORE_DEAD)."""
+
+
+class _Deferred:
+    """Marker returned by a utility whose reply is sent later by the engine itself."""
+
+
+_DEFERRED: Final = _Deferred()
+
+
+def utility(method: F) -> F:
+    """Mark an :class:`EngineCore` method as callable by clients through UTILITY."""
+    method.__engine_utility__ = True  # type: ignore[attr-defined]
+    return method
+
+
+class _State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+
+
+class _Request:
+    """A request inside the engine. Satisfies the model's ``SamplingState``."""
+
+    __slots__ = (
+        "client_index",
+        "eos_token_id",
+        "events",
+        "ignore_eos",
+        "lora_id",
+        "max_tokens",
+        "min_p",
+        "min_tokens",
+        "output_token_ids",
+        "prompt_len",
+        "request_id",
+        "rng",
+        "state",
+        "stop_token_ids",
+        "temperature",
+        "token_ids",
+        "top_k",
+        "top_p",
+    )
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        *,
+        max_tokens: int,
+        eos_token_id: int | None,
+        rng: np.random.Generator,
+    ) -> None:
+        params = request.sampling_params
+        assert params is not None
+        assert request.prompt_token_ids is not None
+        self.request_id = request.request_id
+        self.client_index = request.client_index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.prompt_len = len(self.token_ids)
+        self.output_token_ids: list[int] = []
+        self.max_tokens = max_tokens
+        self.min_tokens = params.min_tokens
+        self.ignore_eos = params.ignore_eos
+        self.eos_token_id = eos_token_id
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        self.temperature = params.temperature
+        self.top_k = params.top_k
+        self.top_p = params.top_p
+        self.min_p = params.min_p
+        self.rng = rng
+        self.lora_id = request.lora_request.lora_int_id if request.lora_request else None
+        self.state = _State.WAITING
+        self.events: list[EngineCoreEvent] | None = None
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def add_event(self, event_type: EngineCoreEventType, now: float) -> None:
+        if self.events is None:
+            self.events = []
+        self.events.append(EngineCoreEvent(event_type, now))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        events, self.events = self.events, None
+        return events
+
+
+class EngineCore:
+    """The scheduler and utility methods of the reference engine.
+
+    Feed it with :meth:`add_request`, :meth:`abort_requests` and :meth:`call_utility`;
+    call :meth:`step` to run one model step and collect the messages to send, and
+    :meth:`take_utility_outputs` for utility replies. Nothing here blocks or does I/O.
+
+    Args:
+        config: the engine configuration.
+        model: the model to serve; by default the built-in one named by ``config``.
+        clock: the time source for timestamps and events.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: Model | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.model = model if model is not None else make_model(config)
+        self._clock = clock
+        self._rng = np.random.default_rng(config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[str, _Request] = {}
+        # Outputs decided outside a model step (rejections, engine-initiated aborts),
+        # sent with the next step's outputs.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._pending_clients: list[int] = []
+        self._utility_outputs: list[tuple[int, UtilityOutput]] = []
+        self._sleeping = False
+        self._sleep_level = 0
+        self._paused = False
+        self._pause_waiters: list[tuple[int, int]] = []  # (client_index, call_id)
+        self._draining_for_pause = False
+        self._loras: dict[int, LoRARequest] = {}
+        self._pinned_loras: set[int] = set()
+        self._weight_version: str | None = None
+        self._profiling = False
+        self._prefix_cache: set[tuple[int, ...]] = set()
+        self._step_counter = 0
+        self._fault_requested = False
+        self._instance_id = f"trio-enginecore-{uuid.uuid4().hex[:12]}"
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request, or (if it is invalid) an ERROR output for it.
+
+        Never raises for a bad request: the client learns why through an output with
+        ``FinishReason.ERROR`` and a :class:`~trio_enginecore.protocol.RequestError`.
+        """
+        problem = self._validate(request)
+        if problem is not None:
+            logger.warning("rejecting request %r: %s", request.request_id, problem)
+            self.reject(request.request_id, request.client_index, problem)
+            return
+        params = request.sampling_params
+        assert params is not None
+        assert request.prompt_token_ids is not None
+        prompt_len = len(request.prompt_token_ids)
+        room = self.config.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = params.eos_token_id if params.eos_token_id is not None else self.model.eos_token_id
+        rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
+        state = _Request(request, max_tokens=max_tokens, eos_token_id=eos, rng=rng)
+        if request.lora_request is not None and request.lora_request.lora_int_id not in self._loras:
+            self._loras[request.lora_request.lora_int_id] = request.lora_request
+        if self.config.log_stats:
+            state.add_event(EngineCoreEventType.QUEUED, self._clock())
+        self._requests[state.request_id] = state
+        self._waiting.append(state)
+
+    def _validate(self, request: EngineCoreRequest) -> str | None:
+        if not request.request_id:
+            return "request_id must not be empty"
+        if request.request_id in self._requests:
+            return f"a request with id {request.request_id!r} is already in flight"
+        if request.sampling_params is None:
+            return "this engine only serves generation requests (sampling_params is required)"
+        if request.prompt_embeds is not None or request.mm_features:
+            return "this engine accepts token-id prompts only (no embeddings or multimodal)"
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return "the prompt must contain at least one token"
+        vocab = self.model.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            return f"prompt token ids must be in [0, {vocab})"
+        if len(prompt) >= self.config.max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens, but max_model_len is "
+                f"{self.config.max_model_len} (at least one token must fit after it)"
+            )
+        lora = request.lora_request
+        if (
+            lora is not None
+            and lora.lora_int_id not in self._loras
+            and len(self._loras) >= self.config.max_loras
+        ):
+            return f"no room for LoRA adapter {lora.lora_int_id}: max_loras is full"
+        return None
+
+    def reject(self, request_id: str, client_index: int, message: str) -> None:
+        """Queue an ERROR output for a request the engine will not run."""
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id,
+                [],
+                finish_reason=FinishReason.ERROR,
+                error=RequestError("invalid_request", message),
+            )
+        )
+        self._pending_clients.append(client_index)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget these requests. Idempotent; unknown ids are ignored.
+
+        Client-initiated aborts produce no output, as in vLLM: the client has already
+        dropped the request.
+        """
+        for request_id in request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is None:
+                continue
+            if state.state is _State.RUNNING:
+                del self._running[request_id]
+            else:
+                self._waiting.remove(state)
+        self._finish_pause_if_drained()
+
+    def _abort_all_with_output(self) -> None:
+        """Engine-initiated abort of everything in flight; clients get ABORT outputs."""
+        for state in list(self._requests.values()):
+            self._pending_outputs.append(
+                EngineCoreOutput(state.request_id, [], finish_reason=FinishReason.ABORT)
+            )
+            self._pending_clients.append(state.client_index)
+        self._requests.clear()
+        self._waiting.clear()
+        self._running.clear()
+
+    def abort_all(self) -> None:
+        """Abort every request, telling each client with an ABORT output (for drains)."""
+        self._abort_all_with_output()
+
+    # ----------------------------------------------------------------- stepping
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (waiting or running)."""
+        return len(self._requests)
+
+    @property
+    def can_step(self) -> bool:
+        """True if :meth:`step` would make progress or has something to send."""
+        if self._pending_outputs:
+            return True
+        if self._sleeping or self._paused:
+            return False
+        return bool(self._running) or (bool(self._waiting) and not self._draining_for_pause)
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Run one model step; return the messages to send, keyed by client index.
+
+        Sleeping or paused engines run no model step but still return pending outputs
+        (rejections, engine-initiated aborts).
+
+        Raises:
+            FatalEngineError: the model failed; the engine cannot go on.
+        """
+        if self._fault_requested:
+            raise FatalEngineError("fault injected on request (inject_fault utility)")
+        now = self._clock()
+        outputs = self._pending_outputs
+        clients = self._pending_clients
+        self._pending_outputs, self._pending_clients = [], []
+        if not (self._sleeping or self._paused):
+            self._schedule(now)
+            if self._running:
+                self._run_model(now, outputs, clients)
+        self._finish_pause_if_drained()
+        if not outputs:
+            return {}
+        stats = self._stats() if self.config.log_stats else None
+        grouped: dict[int, list[EngineCoreOutput]] = {}
+        for client, output in zip(clients, outputs, strict=True):
+            grouped.setdefault(client, []).append(output)
+        return {
+            client: EngineCoreOutputs(
+                engine_index=self.config.data_parallel_rank,
+                outputs=batch,
+                scheduler_stats=stats,
+                timestamp=now,
+                weight_version=self._weight_version,
+            )
+            for client, batch in grouped.items()
+        }
+
+    def _schedule(self, now: float) -> None:
+        if self._draining_for_pause:
+            return
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            state = self._waiting.popleft()
+            state.state = _State.RUNNING
+            self._running[state.request_id] = state
+            self._prefix_cache.add(tuple(state.token_ids[: state.prompt_len]))
+            if self.config.log_stats:
+                state.add_event(EngineCoreEventType.SCHEDULED, now)
+
+    def _run_model(self, now: float, outputs: list[EngineCoreOutput], clients: list[int]) -> None:
+        batch = list(self._running.values())
+        try:
+            tokens = self.model.next_tokens(batch)
+        except Exception as exc:
+            raise FatalEngineError(f"model {self.model.name!r} failed: {exc!r}") from exc
+        if len(tokens) != len(batch):
+            raise FatalEngineError(
+                f"model {self.model.name!r} returned {len(tokens)} tokens for {len(batch)}"
+            )
+        self._step_counter += 1
+        for state, token in zip(batch, tokens, strict=True):
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+            finish, stop_reason = self._check_stop(state, token)
+            if finish is not None:
+                del self._running[state.request_id]
+                del self._requests[state.request_id]
+            outputs.append(
+                EngineCoreOutput(
+                    state.request_id,
+                    [token],
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    events=state.take_events(),
+                )
+            )
+            clients.append(state.client_index)
+
+    def _check_stop(self, state: _Request, token: int) -> tuple[FinishReason | None, int | None]:
+        # Same order as vLLM: length limits win over stop tokens, and min_tokens only
+        # holds back stop tokens.
+        if len(state.output_token_ids) >= state.max_tokens:
+            return FinishReason.LENGTH, None
+        if len(state.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        if len(state.output_token_ids) < state.min_tokens:
+            return None, None
+        if not state.ignore_eos and token == state.eos_token_id:
+            return FinishReason.STOP, None
+        if token in state.stop_token_ids:
+            return FinishReason.STOP, token
+        return None, None
+
+    def _stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self._running),
+            num_waiting_reqs=len(self._waiting),
+            step_counter=self._step_counter,
+            kv_cache_usage=self._kv_usage(),
+            running_lora_adapters=self._lora_counts(self._running.values()),
+            waiting_lora_adapters=self._lora_counts(self._waiting),
+        )
+
+    def _kv_usage(self) -> float:
+        used = sum(len(s.token_ids) for s in self._running.values())
+        capacity = self.config.max_num_seqs * self.config.max_model_len
+        return min(1.0, used / capacity)
+
+    def _lora_counts(self, states: Iterable[_Request]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for state in states:
+            if state.lora_id is not None:
+                lora = self._loras.get(state.lora_id)
+                name = lora.lora_name if lora is not None else str(state.lora_id)
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    # ------------------------------------------------------------------ utilities
+
+    def call_utility(
+        self, client_index: int, call_id: int, method: str, args: Sequence[Any]
+    ) -> None:
+        """Run a utility method by name and queue its reply for ``client_index``.
+
+        Only methods marked with :func:`utility` can be called. Failures never escape:
+        the reply carries ``failure_message`` (in vLLM's words, ``"Call to {method}
+        method failed: {error}"``), and the engine keeps serving.
+        """
+        try:
+            result = self._dispatch(client_index, call_id, method, args)
+        except FatalEngineError:
+            raise
+        except Exception as exc:
+            logger.info("utility %s failed: %r", method, exc)
+            self.reply_failure(client_index, call_id, method, str(exc))
+            return
+        if result is not _DEFERRED:
+            self._reply(client_index, call_id, result)
+
+    def reply_failure(self, client_index: int, call_id: int, method: str, message: str) -> None:
+        """Queue a failure reply for a utility call."""
+        failure = f"Call to {method} method failed: {message}"
+        self._utility_outputs.append((client_index, UtilityOutput(call_id, failure)))
+
+    def _reply(self, client_index: int, call_id: int, result: Any) -> None:
+        self._utility_outputs.append(
+            (client_index, UtilityOutput(call_id, None, UtilityResult(result)))
+        )
+
+    def take_utility_outputs(self) -> list[tuple[int, UtilityOutput]]:
+        """Utility replies ready to send, as ``(client_index, reply)`` pairs."""
+        replies, self._utility_outputs = self._utility_outputs, []
+        return replies
+
+    @classmethod
+    def utility_names(cls) -> list[str]:
+        """Names of the methods clients may call."""
+        return sorted(
+            name
+            for name, member in inspect.getmembers(cls, inspect.isfunction)
+            if getattr(member, "__engine_utility__", False)
+        )
+
+    def _dispatch(self, client_index: int, call_id: int, method: str, args: Sequence[Any]) -> Any:
+        function: Callable[..., Any] | None = getattr(type(self), method, None)
+        if function is None or not getattr(function, "__engine_utility__", False):
+            raise AttributeError(f"the engine has no utility method {method!r}")
+        if method == "pause_scheduler":
+            return self._pause_scheduler_call(client_index, call_id, args)
+        if method == "inject_fault" and not self.config.enable_fault_injection:
+            raise PermissionError("fault injection is disabled on this engine")
+        bound = getattr(self, method)
+        return bound(*_convert_args(function, args))
+
+    @utility
+    def is_sleeping(self) -> bool:
+        """Whether the engine is asleep (not stepping)."""
+        return self._sleeping
+
+    @utility
+    def sleep(self, level: int = 1) -> None:
+        """Stop stepping; requests stay queued until :meth:`wake_up`."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._sleeping = True
+        self._sleep_level = level
+        if level == 2:
+            # Level 2 discards weights in vLLM; our closest analogue is the cache.
+            self._prefix_cache.clear()
+
+    @utility
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Resume stepping after :meth:`sleep`."""
+        self._sleeping = False
+        self._sleep_level = 0
+
+    @utility
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Clear the prefix cache; False (nothing done) while requests are running."""
+        if self._running and not reset_running_requests:
+            return False
+        self._prefix_cache.clear()
+        return True
+
+    @utility
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Start or stop profiling."""
+        if is_start == self._profiling:
+            state = "already running" if is_start else "not running"
+            raise RuntimeError(f"the profiler is {state}")
+        self._profiling = is_start
+
+    @utility
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter; False if ``max_loras`` are registered already."""
+        if lora_request.lora_int_id in self._loras:
+            self._loras[lora_request.lora_int_id] = lora_request
+            return True
+        if len(self._loras) >= self.config.max_loras:
+            return False
+        self._loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    @utility
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unregister a LoRA adapter; False if it was not registered."""
+        self._pinned_loras.discard(lora_id)
+        return self._loras.pop(lora_id, None) is not None
+
+    @utility
+    def list_loras(self) -> set[int]:
+        """Ids of the registered LoRA adapters."""
+        return set(self._loras)
+
+    @utility
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a LoRA adapter registered; False if it is not registered."""
+        if lora_id not in self._loras:
+            return False
+        self._pinned_loras.add(lora_id)
+        return True
+
+    @utility
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """The tasks this engine serves."""
+        return ("generate",)
+
+    @utility
+    def execute_dummy_batch(self) -> None:
+        """Run the model once on a throwaway sequence (a warm-up in vLLM)."""
+        self.model.next_tokens([_DummyState(self._rng)])
+
+    @utility
+    def set_weight_version(self, version: str | None) -> None:
+        """Record the version of the weights in use (reported on every output)."""
+        self._weight_version = version
+
+    @utility
+    def get_weight_version(self) -> str | None:
+        """The weight version set by :meth:`set_weight_version`, if any."""
+        return self._weight_version
+
+    @utility
+    def pause_scheduler(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Stop scheduling. ``abort``: abort in-flight requests (clients get ABORT);
+        ``wait``: let running requests finish first (the reply comes then); ``keep``:
+        freeze in-flight requests where they are. New requests queue until resumed."""
+        raise AssertionError("dispatched through _pause_scheduler_call")  # pragma: no cover
+
+    def _pause_scheduler_call(self, client_index: int, call_id: int, args: Sequence[Any]) -> Any:
+        mode, clear_cache = _convert_args(EngineCore.pause_scheduler, args)
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if self._paused:
+            return None
+        if mode == "abort":
+            self._abort_all_with_output()
+        elif mode == "wait" and self._running:
+            self._draining_for_pause = True
+            self._pause_waiters.append((client_index, call_id))
+            return _DEFERRED
+        self._paused = True
+        if clear_cache:
+            self._prefix_cache.clear()
+        return None
+
+    def _finish_pause_if_drained(self) -> None:
+        if self._draining_for_pause and not self._running:
+            self._draining_for_pause = False
+            self._paused = True
+            for client_index, call_id in self._pause_waiters:
+                self._reply(client_index, call_id, None)
+            self._pause_waiters.clear()
+
+    @utility
+    def resume_scheduler(self) -> None:
+        """Resume scheduling after :meth:`pause_scheduler`."""
+        self._paused = False
+        if self._draining_for_pause:
+            # A resume overtakes a pending pause(wait): that call completes now.
+            self._draining_for_pause = False
+            for client_index, call_id in self._pause_waiters:
+                self._reply(client_index, call_id, None)
+            self._pause_waiters.clear()
+
+    @utility
+    def is_scheduler_paused(self) -> bool:
+        """Whether the scheduler is paused."""
+        return self._paused
+
+    @utility
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(waiting, running)``: the counts a load balancer scores engines by."""
+        return len(self._waiting), len(self._running)
+
+    @utility
+    def inject_fault(self) -> None:
+        """Make the next step fail fatally (only with ``enable_fault_injection``)."""
+        self._fault_requested = True
+
+    # -------------------------------------------------------------------- startup
+
+    def ready_response(self) -> EngineCoreReadyResponse:
+        """What the engine sends first on each input socket."""
+        config = self.config
+        block_size = 16
+        return EngineCoreReadyResponse(
+            max_model_len=config.max_model_len,
+            num_gpu_blocks=config.max_num_seqs * config.max_model_len // block_size,
+            block_size=block_size,
+            dp_stats_address=None,
+            dtype="float32",
+            vllm_version=VLLM_COMPAT_VERSION,
+            world_size=1,
+            data_parallel_size=config.data_parallel_size,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            data_parallel_rank=config.data_parallel_rank,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_seqs,
+            instance_id=self._instance_id,
+            supports_lora=True,
+            max_loras=config.max_loras,
+            kv_cache_size_tokens=config.max_num_seqs * config.max_model_len,
+            kv_cache_max_concurrency=float(config.max_num_seqs),
+            enable_sleep_mode=True,
+        )
+
+
+class _DummyState:
+    """A one-token sequence for :meth:`EngineCore.execute_dummy_batch`."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.token_ids = [0]
+        self.last_token_id = 0
+        self.temperature = 1.0
+        self.top_k = 0
+        self.top_p = 1.0
+        self.min_p = 0.0
+
+
+def _convert_args(function: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
+    """Convert untyped msgpack arguments to the types the method declares.
+
+    Arguments arrive as plain msgpack (a LoRARequest as a list, a set as a list...);
+    msgspec converts each one against the method's annotations, and a mismatch is a
+    failure of that call (reported to the client), never of the engine.
+    """
+    signature = inspect.signature(function)
+    params = [p for p in signature.parameters.values() if p.name != "self"]
+    if len(args) > len(params):
+        raise TypeError(f"takes at most {len(params)} arguments ({len(args)} given)")
+    hints = get_type_hints(function)
+    converted: list[Any] = []
+    for i, param in enumerate(params):
+        if i < len(args):
+            converted.append(msgspec.convert(args[i], hints.get(param.name, Any), strict=False))
+        elif param.default is inspect.Parameter.empty:
+            raise TypeError(f"missing required argument {param.name!r}")
+        else:
+            converted.append(param.default)
+    return converted

@@ -1,0 +1,344 @@
+"""EngineCoreProc: the reference engine as a process speaking vLLM's wire protocol.
+
+Three kinds of Trio task share one :class:`EngineCore`:
+
+* one **input task** per input socket (a DEALER connected to a client's ROUTER) drains
+  requests in batches and applies them to the core synchronously;
+* the **busy loop** steps the core whenever there is work and PUSHes the outputs (and
+  utility replies) to the client each one belongs to;
+* while a step "computes" (``step_time_s``), the input tasks keep running, as a real
+  engine overlaps I/O with the accelerator.
+
+Nothing a client sends can kill the engine: malformed frames are logged and, where the
+protocol has a place for an error (an ADD's output, a UTILITY's reply), answered with
+one. A fatal error (the model failing) sends ``ENGINE_CORE_DEAD`` to every client
+before the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Final
+
+import trio
+import zmq
+
+from .._zmq import Frames, TrioSocket, make_socket
+from ..config import EngineConfig
+from ..errors import EngineStartupError, ProtocolError
+from ..protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineHandshakeMetadata,
+    EngineZmqAddresses,
+    HandshakeHello,
+    HandshakeReady,
+    StartDPWave,
+    UtilityRequest,
+)
+from ..serial import MsgpackDecoder, MsgpackEncoder
+from ._core import EngineCore, FatalEngineError
+
+__all__ = ["EngineCoreProc", "engine_handshake"]
+
+logger = logging.getLogger("trio_enginecore.engine")
+
+OUTPUT_LINGER_MS: Final = 4000
+"""How long queued outputs (and the ENGINE_CORE_DEAD frame) may outlive a closed PUSH
+socket; the process terminates its context after Trio exits, which waits this long."""
+
+HANDSHAKE_LINGER_MS: Final = 5000
+DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 300.0
+
+
+def identity_for_rank(rank: int) -> bytes:
+    """The DEALER identity of a data-parallel rank, as vLLM defines it."""
+    return rank.to_bytes(2, "little")
+
+
+async def engine_handshake(
+    ctx: zmq.Context[Any],
+    config: EngineConfig,
+    handshake_address: str,
+    *,
+    headless: bool = False,
+    timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+) -> tuple[TrioSocket, EngineZmqAddresses]:
+    """Say HELLO to a frontend and receive the addresses to serve.
+
+    Returns the still-open handshake socket (READY is sent on it once the engine is up)
+    and the addresses.
+
+    Raises:
+        EngineStartupError: no reply within ``timeout_s``, or an invalid reply.
+    """
+    sock = make_socket(
+        ctx,
+        zmq.DEALER,
+        identity=identity_for_rank(config.data_parallel_rank),
+        linger_ms=HANDSHAKE_LINGER_MS,
+    )
+    try:
+        sock.connect(handshake_address)
+        hello = HandshakeHello(local=not headless, headless=headless)
+        await sock.send_multipart(MsgpackEncoder().encode(hello))
+        frames = None
+        with trio.move_on_after(timeout_s):
+            frames = await sock.recv_multipart()
+        if frames is None:
+            raise EngineStartupError(
+                f"no handshake reply from {handshake_address} within {timeout_s:g} s"
+            )
+        try:
+            metadata = MsgpackDecoder(EngineHandshakeMetadata).decode(frames)
+        except ProtocolError as exc:
+            raise EngineStartupError(f"invalid handshake reply: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock, metadata.addresses
+
+
+class EngineCoreProc:
+    """The engine's I/O around an :class:`EngineCore`.
+
+    Args:
+        config: the engine configuration.
+        ctx: the ZeroMQ context to create sockets in. The caller terminates it after
+            :meth:`run` returns (outside Trio: terminating waits for queued outputs).
+        core: the core to serve; by default one built from ``config``.
+    """
+
+    def __init__(
+        self, config: EngineConfig, ctx: zmq.Context[Any], core: EngineCore | None = None
+    ) -> None:
+        self.config = config
+        self.core = core if core is not None else EngineCore(config)
+        self._ctx = ctx
+        self._encoder = MsgpackEncoder()
+        self._request_decoder = MsgpackDecoder(EngineCoreRequest)
+        self._abort_decoder = MsgpackDecoder(list[str])
+        self._utility_decoder = MsgpackDecoder(UtilityRequest)
+        self._wave_decoder = MsgpackDecoder(StartDPWave)
+        self._generic_decoder = MsgpackDecoder()
+        self._outputs: list[TrioSocket] = []
+        self._work = trio.Event()
+        self._draining = False
+        self._drain_deadline = math.inf
+        self.current_wave = 0
+
+    # -------------------------------------------------------------------- running
+
+    async def run(
+        self,
+        addresses: EngineZmqAddresses,
+        *,
+        handshake_socket: TrioSocket | None = None,
+        headless: bool = False,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Connect to the clients, announce readiness and serve until drained.
+
+        Returns after :meth:`begin_drain` once no request is left. Cancelling it stops
+        the engine at once (queued outputs are still flushed by the context's linger).
+
+        Raises:
+            FatalEngineError: the core failed; ``ENGINE_CORE_DEAD`` was sent first.
+        """
+        rank = self.config.data_parallel_rank
+        inputs: list[TrioSocket] = []
+        try:
+            for address in addresses.outputs:
+                sock = make_socket(self._ctx, zmq.PUSH, linger_ms=OUTPUT_LINGER_MS)
+                self._outputs.append(sock)
+                sock.connect(address)
+            ready = self._encoder.encode(self.core.ready_response())
+            for address in addresses.inputs:
+                sock = make_socket(self._ctx, zmq.DEALER, identity=identity_for_rank(rank))
+                inputs.append(sock)
+                sock.connect(address)
+                # The ready message is what lets the client's ROUTER route to us.
+                await sock.send_multipart(ready)
+            if handshake_socket is not None:
+                ready_msg = HandshakeReady(local=not headless, headless=headless)
+                await handshake_socket.send_multipart(self._encoder.encode(ready_msg))
+                handshake_socket.close()
+            logger.info(
+                "engine rank %d serving model %r (%d input(s), %d output(s))",
+                rank,
+                self.config.model,
+                len(inputs),
+                len(self._outputs),
+            )
+            task_status.started()
+            async with trio.open_nursery() as nursery:
+                for sock in inputs:
+                    nursery.start_soon(self._input_loop, sock)
+                await self._busy_loop()
+                nursery.cancel_scope.cancel()
+        except FatalEngineError:
+            self._send_engine_dead()
+            raise
+        finally:
+            for sock in (*inputs, *self._outputs):
+                sock.close()
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`begin_drain` was called."""
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop accepting requests; finish in-flight ones within ``drain_timeout_s``.
+
+        Requests still running at the deadline are aborted (clients get ABORT outputs).
+        :meth:`run` returns once nothing is left.
+        """
+        if not self._draining:
+            self._draining = True
+            self._drain_deadline = trio.current_time() + self.config.drain_timeout_s
+            logger.info(
+                "draining %d request(s) (timeout %g s)",
+                self.core.num_requests,
+                self.config.drain_timeout_s,
+            )
+        self._work.set()
+
+    # ---------------------------------------------------------------- input side
+
+    async def _input_loop(self, sock: TrioSocket) -> None:
+        while True:
+            batch = await sock.drain(copy_leading=2)
+            for frames in batch:
+                self._handle_input(frames)
+            self._work.set()
+
+    def _handle_input(self, frames: Frames) -> None:
+        if len(frames) < 2:
+            logger.error("dropping a %d-frame input message: expected type + payload", len(frames))
+            return
+        type_frame = bytes(frames[0])
+        payload = frames[1:]
+        try:
+            request_type = EngineCoreRequestType(type_frame)
+        except ValueError:
+            logger.error("dropping a message with unknown request type %r", type_frame)
+            return
+        if request_type is EngineCoreRequestType.ADD:
+            self._handle_add(payload)
+        elif request_type is EngineCoreRequestType.ABORT:
+            try:
+                self.core.abort_requests(self._abort_decoder.decode(payload))
+            except ProtocolError as exc:
+                logger.error("dropping an invalid ABORT: %s", exc)
+        elif request_type is EngineCoreRequestType.UTILITY:
+            self._handle_utility(payload)
+        elif request_type is EngineCoreRequestType.START_DP_WAVE:
+            try:
+                self.current_wave = max(self.current_wave, self._wave_decoder.decode(payload).wave)
+            except ProtocolError as exc:
+                logger.error("dropping an invalid START_DP_WAVE: %s", exc)
+        else:
+            logger.error("dropping an engine-internal request type %s from the wire", request_type)
+
+    def _handle_add(self, payload: Frames) -> None:
+        try:
+            request = self._request_decoder.decode(payload)
+        except ProtocolError as exc:
+            logger.error("invalid ADD: %s", exc)
+            request_id, client_index = self._salvage_ids(payload, id_pos=0, client_pos=11)
+            if isinstance(request_id, str) and request_id:
+                self.core.reject(request_id, client_index, f"invalid request: {exc}")
+            return
+        if self._draining:
+            self.core.reject(
+                request.request_id, request.client_index, "the engine is shutting down"
+            )
+            return
+        self.core.add_request(request)
+
+    def _handle_utility(self, payload: Frames) -> None:
+        try:
+            call = self._utility_decoder.decode(payload)
+        except ProtocolError as exc:
+            logger.error("invalid UTILITY: %s", exc)
+            call_id, client_index = self._salvage_ids(payload, id_pos=1, client_pos=0)
+            if isinstance(call_id, int):
+                self.core.reply_failure(client_index, call_id, "?", f"invalid call: {exc}")
+            return
+        self.core.call_utility(call.client_index, call.call_id, call.method, call.args)
+
+    def _salvage_ids(self, payload: Frames, *, id_pos: int, client_pos: int) -> tuple[Any, int]:
+        """Best-effort read of an invalid message's id, so its sender gets an error."""
+        try:
+            generic = self._generic_decoder.decode(payload)
+        except ProtocolError:
+            return None, 0
+        if not isinstance(generic, list) or len(generic) <= id_pos:  # pyright: ignore[reportUnknownArgumentType]
+            return None, 0
+        items: list[Any] = generic  # pyright: ignore[reportUnknownVariableType]
+        client = items[client_pos] if len(items) > client_pos else 0
+        return items[id_pos], client if type(client) is int else 0
+
+    # --------------------------------------------------------------- output side
+
+    async def _busy_loop(self) -> None:
+        core = self.core
+        step_time = self.config.step_time_s
+        while True:
+            if self._draining and trio.current_time() >= self._drain_deadline:
+                if core.num_requests:
+                    logger.warning("drain timeout: aborting %d request(s)", core.num_requests)
+                core.abort_all()
+            if core.can_step:
+                messages = core.step()
+                for client_index, outputs in messages.items():
+                    await self._send(client_index, outputs)
+                await self._send_utility_replies()
+                if step_time:
+                    await trio.sleep(step_time)
+                else:
+                    await trio.lowlevel.checkpoint()
+                continue
+            await self._send_utility_replies()
+            if self._draining and core.num_requests == 0:
+                return
+            if self._draining:
+                with trio.move_on_at(self._drain_deadline):
+                    await self._work.wait()
+            else:
+                await self._work.wait()
+            self._work = trio.Event()
+
+    async def _send_utility_replies(self) -> None:
+        for client_index, reply in self.core.take_utility_outputs():
+            await self._send(
+                client_index,
+                EngineCoreOutputs(
+                    engine_index=self.config.data_parallel_rank, utility_output=reply
+                ),
+            )
+
+    async def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        if not 0 <= client_index < len(self._outputs):
+            logger.error("dropping outputs for unknown client index %d", client_index)
+            return
+        await self._outputs[client_index].send_multipart(self._encoder.encode(outputs))
+
+    def _send_engine_dead(self) -> None:
+        for sock in self._outputs:
+            if sock.closed:
+                continue
+            try:
+                sock.raw.send(ENGINE_CORE_DEAD, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # pragma: no cover - best effort while dying
+                logger.error("could not send ENGINE_CORE_DEAD: %s", exc)
+
+
+def addresses_for(inputs: Sequence[str], outputs: Sequence[str]) -> EngineZmqAddresses:
+    """The addresses of an engine attached to clients directly (no handshake)."""
+    return EngineZmqAddresses(inputs=list(inputs), outputs=list(outputs))

@@ -1,0 +1,104 @@
+"""``trio-enginecore serve``: run one reference engine as a program.
+
+This is an application entry point, so unlike the library it may own the process's
+signals: SIGTERM and SIGINT start a graceful drain, a second one stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import trio
+import zmq
+
+from ..config import EngineConfig
+from ..errors import EngineStartupError
+from ._core import FatalEngineError
+from ._proc import EngineCoreProc, addresses_for, engine_handshake
+
+__all__ = ["serve"]
+
+logger = logging.getLogger("trio_enginecore.engine")
+
+EXIT_OK = 0
+EXIT_FATAL = 1
+EXIT_STARTUP = 3
+
+
+async def _serve(
+    ctx: zmq.Context[Any],
+    config: EngineConfig,
+    *,
+    inputs: list[str],
+    outputs: list[str],
+    handshake_address: str | None,
+    headless: bool,
+    handshake_timeout_s: float,
+) -> None:
+    engine = EngineCoreProc(config, ctx)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if engine.draining:
+                        logger.warning("second %s: stopping now", name)
+                        nursery.cancel_scope.cancel()
+                        return
+                    logger.info("%s: draining", name)
+                    engine.begin_drain()
+
+            nursery.start_soon(watch_signals)
+            handshake_socket = None
+            if handshake_address is not None:
+                handshake_socket, addresses = await engine_handshake(
+                    ctx, config, handshake_address, headless=headless, timeout_s=handshake_timeout_s
+                )
+            else:
+                addresses = addresses_for(inputs, outputs)
+            await engine.run(addresses, handshake_socket=handshake_socket, headless=headless)
+            nursery.cancel_scope.cancel()
+
+
+def serve(
+    config: EngineConfig,
+    *,
+    inputs: list[str],
+    outputs: list[str],
+    handshake_address: str | None = None,
+    headless: bool = False,
+    handshake_timeout_s: float = 300.0,
+) -> int:
+    """Run an engine until it is drained; return the process exit code."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    exit_code = EXIT_OK
+    try:
+        trio.run(
+            lambda: _serve(
+                ctx,
+                config,
+                inputs=inputs,
+                outputs=outputs,
+                handshake_address=handshake_address,
+                headless=headless,
+                handshake_timeout_s=handshake_timeout_s,
+            )
+        )
+    except* FatalEngineError as group:
+        logger.critical("engine died: %s", group.exceptions[0])
+        exit_code = EXIT_FATAL
+    except* EngineStartupError as group:
+        logger.critical("engine startup failed: %s", group.exceptions[0])
+        exit_code = EXIT_STARTUP
+    except* Exception as group:
+        logger.critical("engine crashed", exc_info=group)
+        exit_code = EXIT_FATAL
+    finally:
+        # Outside Trio now, so waiting for queued outputs (the sockets' linger) is fine.
+        ctx.term()
+    if exit_code == EXIT_OK:
+        logger.info("engine drained, exiting")
+    return exit_code

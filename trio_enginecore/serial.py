@@ -193,6 +193,8 @@ class MsgpackDecoder(Generic[T]):
             return cast("T", self._decoder.decode(message[0]))
         except ProtocolError:
             raise
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"invalid {self._type_name()} message: {exc}") from exc
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"malformed msgpack payload: {exc}") from exc
         except Exception as exc:

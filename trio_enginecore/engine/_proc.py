@@ -180,7 +180,7 @@ class EngineCoreProc:
                     nursery.start_soon(self._input_loop, sock)
                 await self._busy_loop()
                 nursery.cancel_scope.cancel()
-        except FatalEngineError:
+        except* FatalEngineError:
             self._send_engine_dead()
             raise
         finally:

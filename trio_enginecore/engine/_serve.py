@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
+from typing import Any, cast
 
 import trio
 import zmq
@@ -63,6 +63,17 @@ async def _serve(
             nursery.cancel_scope.cancel()
 
 
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    return _leaves(group)[0]
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        nested = cast("BaseExceptionGroup[BaseException]", error)
+        return [leaf for sub in nested.exceptions for leaf in _leaves(sub)]
+    return [error]
+
+
 def serve(
     config: EngineConfig,
     *,
@@ -88,10 +99,10 @@ def serve(
             )
         )
     except* FatalEngineError as group:
-        logger.critical("engine died: %s", group.exceptions[0])
+        logger.critical("engine died: %s", _first_leaf(group))
         exit_code = EXIT_FATAL
     except* EngineStartupError as group:
-        logger.critical("engine startup failed: %s", group.exceptions[0])
+        logger.critical("engine startup failed: %s", _first_leaf(group))
         exit_code = EXIT_STARTUP
     except* Exception as group:
         logger.critical("engine crashed", exc_info=group)

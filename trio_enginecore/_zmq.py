@@ -256,6 +256,29 @@ class TrioSocket:
         finally:
             self._waiting_send -= 1
 
+    def send_multipart_nowait(self, parts: Sequence[SendablePart], *, copy: bool = False) -> None:
+        """Send one multipart message if the socket can take it right now.
+
+        The synchronous twin of :meth:`send_multipart`, for callers that must do several
+        sends with no checkpoint in between (to stay atomic with respect to
+        cancellation). With unbounded queues (:func:`make_socket`) a ROUTER never
+        refuses: it queues, or drops a message for an unknown peer.
+
+        Raises:
+            trio.WouldBlock: the socket cannot take the message now; nothing was sent.
+            ValueError: ``parts`` is empty.
+            trio.ClosedResourceError: the socket was closed.
+            zmq.ZMQError: any other libzmq error; then nothing was sent.
+        """
+        self._check_open()
+        if not parts:
+            raise ValueError("a message needs at least one frame")
+        try:
+            self._sock.send_multipart(cast("Sequence[Buffer]", parts), _NOBLOCK, copy=copy)
+        except zmq.Again:
+            raise trio.WouldBlock from None
+        self._after_op()
+
     # ----------------------------------------------------------------- receiving
 
     async def recv_multipart(self, *, copy_leading: int = 1) -> Frames:

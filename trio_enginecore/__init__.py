@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from . import errors as errors, protocol as protocol, serial as serial
+from .client import (
+    ClientStatistics as ClientStatistics,
+    RequestStream as RequestStream,
+    TrioMPClient as TrioMPClient,
+    open_engine_client as open_engine_client,
+)
+from .config import EngineConfig as EngineConfig
 from .errors import (
     EngineCoreError as EngineCoreError,
     EngineDeadError as EngineDeadError,

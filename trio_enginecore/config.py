@@ -104,6 +104,12 @@ class EngineConfig:
             )
         if self.data_parallel_rank > 0xFFFF:
             raise ValueError("EngineConfig.data_parallel_rank must fit in two bytes")
+        if self.model == "ngram" and self.vocab_size is not None and self.vocab_size < 257:
+            # Bytes 0-255 and EOS (256); otherwise the engine would only fail at start-up.
+            raise ValueError(
+                f"EngineConfig.vocab_size must be at least 257 for the ngram model, "
+                f"got {self.vocab_size}"
+            )
 
     def evolve(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (and validated again)."""

@@ -206,7 +206,9 @@ class EngineCore:
         room = self.config.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = params.eos_token_id if params.eos_token_id is not None else self.model.eos_token_id
-        rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
+        # Seeds are any 64-bit int, as in vLLM (torch remaps negative ones); numpy only
+        # takes non-negative seeds, so wrap them instead of raising on a client's value.
+        rng = np.random.default_rng(params.seed % 2**64) if params.seed is not None else self._rng
         state = _Request(request, max_tokens=max_tokens, eos_token_id=eos, rng=rng)
         if request.lora_request is not None and request.lora_request.lora_int_id not in self._loras:
             self._loras[request.lora_request.lora_int_id] = request.lora_request

@@ -1,0 +1,8 @@
+"""Engine-core clients: the Trio multiprocess client and its per-request streams."""
+
+from __future__ import annotations
+
+from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
+from ._factory import open_engine_client as open_engine_client
+from ._mp import ClientStatistics as ClientStatistics, TrioMPClient as TrioMPClient
+from ._stream import RequestStream as RequestStream

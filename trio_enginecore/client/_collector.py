@@ -1,0 +1,114 @@
+"""Coalescing buffers between the receive task and slow readers (pure logic, no I/O).
+
+The receive task must never wait for a reader: one slow consumer would stall every
+stream and utility call behind it. So instead of a channel per stream (one task wake-up
+and one hand-off per token, measured 15x slower), each reader gets a collector that the
+receive task *merges* new outputs into. Memory stays bounded by the data itself: a
+stream's collector never holds more than that stream's undelivered tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
+
+__all__ = ["BatchCollector", "merge_outputs"]
+
+
+def _concat(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    return np.concatenate((a, b), axis=0)
+
+
+def _merge_logprobs(a: LogprobsLists | None, b: LogprobsLists | None) -> LogprobsLists | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return LogprobsLists(
+        _concat(a.logprob_token_ids, b.logprob_token_ids),
+        _concat(a.logprobs, b.logprobs),
+        _concat(a.sampled_token_ranks, b.sampled_token_ranks),
+        None,
+    )
+
+
+def merge_outputs(older: EngineCoreOutput, newer: EngineCoreOutput) -> EngineCoreOutput:
+    """One output equivalent to receiving ``older`` then ``newer`` for the same request.
+
+    Token ids (and their logprob rows and events) are concatenated in order; the finish
+    reason, stop reason and error are the newer ones; other per-step fields keep the
+    newest value that was set. ``older`` is updated in place and returned, so merging
+    a long run of deltas costs amortised O(new tokens).
+    """
+    older.new_token_ids.extend(newer.new_token_ids)
+    older.new_logprobs = _merge_logprobs(older.new_logprobs, newer.new_logprobs)
+    if newer.events:
+        older.events = [*(older.events or ()), *newer.events]
+    older.num_nans_in_logits += newer.num_nans_in_logits
+    older.finish_reason = newer.finish_reason
+    older.stop_reason = newer.stop_reason
+    for name in (
+        "new_prompt_logprobs_tensors",
+        "pooling_output",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "trace_headers",
+        "prefill_stats",
+        "routed_experts",
+        "mm_cache_miss_hashes",
+        "new_sampling_mask",
+        "spec_decode_metrics",
+        "prompt_token_id_logprobs",
+        "error",
+    ):
+        value = getattr(newer, name)
+        if value is not None:
+            setattr(older, name, value)
+    return older
+
+
+class BatchCollector:
+    """Whole engine messages waiting for ``get_output()``, merged past a bound.
+
+    Up to ``max_pending`` messages are kept as they arrived. Past that the newest
+    pending message of the same engine absorbs the next one (their outputs lists are concatenated in
+    order and the latest scheduler stats kept), so the receive task never waits and
+    no output is ever dropped; a consumer that falls behind simply gets bigger batches.
+    """
+
+    def __init__(self, max_pending: int = 64) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.max_pending = max_pending
+        self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self.merged = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def put(self, outputs: EngineCoreOutputs) -> None:
+        """Add one engine message; never blocks, never drops."""
+        if len(self._pending) < self.max_pending:
+            self._pending.append(outputs)
+            return
+        # Merge only messages of the same engine: engine_index must stay truthful.
+        last = next(
+            (p for p in reversed(self._pending) if p.engine_index == outputs.engine_index), None
+        )
+        if last is None:
+            self._pending.append(outputs)
+            return
+        last.outputs.extend(outputs.outputs)
+        if outputs.scheduler_stats is not None:
+            last.scheduler_stats = outputs.scheduler_stats
+        if outputs.finished_requests:
+            last.finished_requests = (last.finished_requests or set()) | outputs.finished_requests
+        last.timestamp = outputs.timestamp
+        self.merged += 1
+
+    def take(self) -> EngineCoreOutputs | None:
+        """The oldest pending message, or None."""
+        return self._pending.popleft() if self._pending else None

@@ -1,0 +1,150 @@
+"""Starting engine processes and the client side of the startup handshake."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Final
+
+import attrs
+import trio
+
+from ..config import EngineConfig
+from ..protocol import EngineCoreReadyResponse
+
+__all__ = ["EngineHandle", "engine_command", "private_ipc_dir"]
+
+logger = logging.getLogger("trio_enginecore.client")
+
+STDERR_TAIL_LINES: Final = 20
+# A unix socket path must fit in ~107 bytes; keep the directory well below that.
+_MAX_IPC_DIR_LEN: Final = 60
+
+
+def private_ipc_dir() -> str:
+    """A new directory, mode 0700, for this client's ipc:// sockets.
+
+    Uses the system temp dir unless its path is too long for unix socket addresses
+    (a long ``TMPDIR`` breaks ipc:// silently), in which case ``/tmp`` is used.
+    """
+    base = tempfile.gettempdir()
+    if len(base) > _MAX_IPC_DIR_LEN - 20:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="tec-", dir=base)
+
+
+def engine_command(
+    config: EngineConfig, handshake_address: str, *, log_level: str = "WARNING"
+) -> list[str]:
+    """The command line that starts one engine of ``config`` in handshake mode."""
+    command = [
+        sys.executable,
+        "-m",
+        "trio_enginecore",
+        "serve",
+        "--handshake-address",
+        handshake_address,
+        "--model",
+        config.model,
+        "--rank",
+        str(config.data_parallel_rank),
+        "--data-parallel-size",
+        str(config.data_parallel_size),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--max-loras",
+        str(config.max_loras),
+        "--step-time-s",
+        repr(config.step_time_s),
+        "--seed",
+        str(config.seed),
+        "--drain-timeout-s",
+        repr(config.drain_timeout_s),
+        "--log-level",
+        log_level,
+    ]
+    if config.vocab_size is not None:
+        command += ["--vocab-size", str(config.vocab_size)]
+    if config.log_stats:
+        command.append("--log-stats")
+    if config.enable_fault_injection:
+        command.append("--enable-fault-injection")
+    return command
+
+
+@attrs.define(eq=False)
+class EngineHandle:
+    """What the client knows about one engine."""
+
+    rank: int
+    identity: bytes
+    process: trio.Process | None = None
+    stderr_tail: collections.deque[str] = attrs.field(
+        factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES)
+    )
+    stderr_done: trio.Event = attrs.field(factory=trio.Event)
+    ready: EngineCoreReadyResponse | None = None
+    alive: bool = True
+    death: str | None = None
+
+    def describe(self) -> str:
+        pid = f", pid {self.process.pid}" if self.process is not None else ""
+        return f"engine rank {self.rank}{pid}"
+
+    def exit_description(self, *, with_name: bool = True) -> str:
+        """How the engine's process ended, with its last stderr lines."""
+        parts = [self.describe()] if with_name else []
+        if self.process is not None and self.process.returncode is not None:
+            code = self.process.returncode
+            parts.append(
+                f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+            )
+        if self.stderr_tail:
+            parts.append("last stderr lines:\n  " + "\n  ".join(self.stderr_tail))
+        return "; ".join(parts)
+
+
+async def start_engine_process(
+    engine: EngineHandle, command: list[str], nursery: trio.Nursery
+) -> None:
+    """Start the engine's process and a task that keeps the tail of its stderr."""
+    engine.process = await trio.lowlevel.open_process(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        # The engine must not inherit our Ctrl-C: the client shuts it down itself.
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    logger.debug("started %s: %s", engine.describe(), " ".join(command))
+    nursery.start_soon(_read_stderr, engine)
+
+
+async def _read_stderr(engine: EngineHandle) -> None:
+    process = engine.process
+    assert process is not None
+    assert process.stderr is not None
+    engine_logger = logging.getLogger(f"trio_enginecore.engine.rank{engine.rank}")
+    buffer = b""
+    try:
+        async for chunk in process.stderr:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for raw in lines:
+                line = raw.decode("utf-8", errors="replace").rstrip()
+                if line:
+                    engine.stderr_tail.append(line)
+                    engine_logger.warning("%s", line)
+    except (trio.ClosedResourceError, trio.BrokenResourceError):
+        pass
+    finally:
+        if buffer.strip():
+            engine.stderr_tail.append(buffer.decode("utf-8", errors="replace").rstrip())
+        engine.stderr_done.set()

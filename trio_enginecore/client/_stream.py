@@ -1,0 +1,132 @@
+"""Per-request output streams."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, final
+
+import trio
+
+from ..errors import EngineDeadError
+from ..protocol import EngineCoreOutput, FinishReason
+from ._collector import merge_outputs
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["RequestStream"]
+
+
+@final
+class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
+    """The outputs of one request, in order, ending after the finished one.
+
+    Obtained from ``async with client.stream(request) as stream:``. Iterate it with
+    ``async for output in stream``; the loop ends after the output whose
+    ``finish_reason`` is set. If the reader is slower than the engine, the outputs that
+    arrived meanwhile are merged into one (token ids appended in order, the latest
+    finish reason kept), so a slow reader never holds up other streams and every token
+    is still delivered exactly once.
+
+    :meth:`receive` is atomic with respect to cancellation: it either returns an output
+    or raises :class:`trio.Cancelled` leaving the stream unchanged.
+    """
+
+    def __init__(self, request_id: str, *, on_close: Callable[[RequestStream], None]) -> None:
+        self.request_id = request_id
+        self._on_close = on_close
+        self._pending: EngineCoreOutput | None = None
+        self._finished_received = False
+        self._finished_delivered = False
+        self._failure: str | None = None
+        self._closed = False
+        self._event: trio.Event | None = None
+        self._receiving = False
+        self.tokens_received = 0
+
+    # ------------------------------------------------------- receive-task side
+
+    def _push(self, output: EngineCoreOutput) -> None:
+        """Hand over one output (called by the receive task; never blocks)."""
+        if self._finished_received:
+            return
+        self.tokens_received += len(output.new_token_ids)
+        if self._pending is None:
+            self._pending = output
+        else:
+            merge_outputs(self._pending, output)
+        if output.finish_reason is not None:
+            self._finished_received = True
+        self._wake()
+
+    def _fail(self, reason: str) -> None:
+        """The engine serving this request died."""
+        if self._failure is None and not self._finished_received:
+            self._failure = reason
+            self._wake()
+
+    def _abort_locally(self) -> None:
+        """The request was aborted by the client: end the stream with an ABORT output."""
+        if not self._finished_received:
+            self._push(EngineCoreOutput(self.request_id, [], finish_reason=FinishReason.ABORT))
+
+    def _wake(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    # ------------------------------------------------------------ reader side
+
+    @property
+    def finished(self) -> bool:
+        """True once the engine reported the request finished (or it was aborted)."""
+        return self._finished_received
+
+    async def receive(self) -> EngineCoreOutput:
+        """The next output of the request (merged with any that queued up).
+
+        Raises:
+            trio.EndOfChannel: the finished output was already delivered. Not an error.
+            EngineDeadError: the engine died before the request finished.
+            trio.ClosedResourceError: the stream was closed.
+            trio.BusyResourceError: another task is already receiving on this stream.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        waited = False
+        self._receiving = True
+        try:
+            while self._pending is None:
+                if self._closed:
+                    raise trio.ClosedResourceError("this stream was closed")
+                if self._finished_delivered:
+                    raise trio.EndOfChannel
+                if self._failure is not None:
+                    raise EngineDeadError(self._failure)
+                event = self._event = trio.Event()
+                await event.wait()
+                waited = True
+        finally:
+            self._receiving = False
+        output, self._pending = self._pending, None
+        if output.finish_reason is not None:
+            self._finished_delivered = True
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return output
+
+    async def aclose(self) -> None:
+        """Close the stream; pending outputs are dropped.
+
+        Closing does not abort the request by itself: leaving the ``client.stream``
+        block does that.
+        """
+        self._close()
+        await trio.lowlevel.checkpoint()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pending = None
+            self._wake()
+            self._on_close(self)

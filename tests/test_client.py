@@ -407,12 +407,14 @@ async def test_block_raises_engine_dead_error_if_the_engine_died_meanwhile() -> 
 
 async def test_engine_core_dead_fails_waiters_with_the_reason() -> None:
     with trio.fail_after(30), pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
-        async with launched_client(enable_fault_injection=True, step_time_s=0.002) as client:
-            async with client.stream(request("victim", [1], 100_000)) as outputs:
-                await outputs.receive()
-                await client.call_utility("inject_fault")
-                async for _ in outputs:
-                    pass
+        async with (
+            launched_client(enable_fault_injection=True, step_time_s=0.002) as client,
+            client.stream(request("victim", [1], 100_000)) as outputs,
+        ):
+            await outputs.receive()
+            await client.call_utility("inject_fault")
+            async for _ in outputs:
+                pass
 
 
 async def test_user_exception_propagates_unchanged_and_the_engine_is_stopped() -> None:

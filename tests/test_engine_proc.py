@@ -192,7 +192,7 @@ async def test_fatal_error_sends_engine_core_dead_and_exits_1() -> None:
                 EngineCoreRequestType.UTILITY,
                 [0, 1, "inject_fault", []],
             )
-            with pytest.raises(EngineDied):  # noqa: PT012 - receive until the sentinel
+            with pytest.raises(EngineDied):
                 while True:
                     peer.stray.extend(await peer.receive())
             assert peer.process is not None

@@ -11,7 +11,6 @@ from . import __version__
 from .config import MODELS, EngineConfig
 
 _NOT_BUILT = {
-    "demo": "the demo needs the engine client, which is not built yet",
     "bench": "the benchmark harness is not built yet",
 }
 
@@ -216,6 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _run_serve(parser, args)
+    if args.command == "demo":
+        import trio
+
+        from ._demo import run_demo
+
+        trio.run(run_demo)
+        return 0
     reason = _NOT_BUILT[args.command]
     print(f"trio-enginecore {args.command}: not built yet ({reason}).", file=sys.stderr)
     return 1

@@ -42,6 +42,11 @@ def _non_negative_seconds(instance: Any, attribute: attrs.Attribute[Any], value:
         )
 
 
+def _boolean(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"EngineConfig.{attribute.name} must be True or False, got {value!r}")
+
+
 def _model_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in MODELS:
         raise ValueError(f"EngineConfig.model must be one of {', '.join(MODELS)}; got {value!r}")
@@ -79,7 +84,7 @@ class EngineConfig:
     seed: int = attrs.field(default=0, validator=_non_negative_int)
     """Seed of the engine's sampler for requests that do not bring their own seed."""
 
-    log_stats: bool = False
+    log_stats: bool = attrs.field(default=False, validator=_boolean)
     """Attach scheduler statistics and request events (QUEUED, SCHEDULED) to outputs, as
     vLLM does when stats logging is on."""
 
@@ -92,7 +97,7 @@ class EngineConfig:
     data_parallel_rank: int = attrs.field(default=0, validator=_non_negative_int)
     """This engine's rank; its DEALER identity is ``rank.to_bytes(2, "little")``."""
 
-    enable_fault_injection: bool = False
+    enable_fault_injection: bool = attrs.field(default=False, validator=_boolean)
     """Enable the ``inject_fault`` utility, which makes the engine fail on purpose (for
     tests of the client's failure handling). Never enable it in production."""
 

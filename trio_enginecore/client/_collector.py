@@ -75,7 +75,7 @@ class BatchCollector:
 
     Up to ``max_pending`` messages are kept as they arrived. Past that the newest
     pending message of the same engine absorbs the next one (their outputs lists are concatenated in
-    order and the latest scheduler stats kept), so the receive task never waits and
+    order; the latest scheduler stats, wave and weight-version fields kept), so the receive task never waits and
     no output is ever dropped; a consumer that falls behind simply gets bigger batches.
     """
 
@@ -107,6 +107,10 @@ class BatchCollector:
         if outputs.finished_requests:
             last.finished_requests = (last.finished_requests or set()) | outputs.finished_requests
         last.timestamp = outputs.timestamp
+        for name in ("wave_complete", "start_wave", "weight_version"):
+            value = getattr(outputs, name)
+            if value is not None:
+                setattr(last, name, value)
         self.merged += 1
 
     def take(self) -> EngineCoreOutputs | None:

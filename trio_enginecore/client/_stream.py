@@ -47,7 +47,7 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
 
     def _push(self, output: EngineCoreOutput) -> None:
         """Hand over one output (called by the receive task; never blocks)."""
-        if self._finished_received:
+        if self._finished_received or self._closed:
             return
         self.tokens_received += len(output.new_token_ids)
         if self._pending is None:

@@ -74,9 +74,10 @@ class BatchCollector:
     """Whole engine messages waiting for ``get_output()``, merged past a bound.
 
     Up to ``max_pending`` messages are kept as they arrived. Past that the newest
-    pending message of the same engine absorbs the next one (their outputs lists are concatenated in
-    order; the latest scheduler stats, wave and weight-version fields kept), so the receive task never waits and
-    no output is ever dropped; a consumer that falls behind simply gets bigger batches.
+    pending message of the same engine absorbs the next one (outputs concatenated in
+    order; the latest scheduler stats, wave and weight-version fields kept), so the
+    receive task never waits and no output is ever dropped; a consumer that falls
+    behind simply gets bigger batches.
     """
 
     def __init__(self, max_pending: int = 64) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -431,6 +432,40 @@ async def test_user_exception_propagates_unchanged_and_the_engine_is_stopped() -
     assert not Path(f"/proc/{pid}").exists()
 
 
+async def test_the_cancelled_exception_leaving_the_block_is_the_bodys_own() -> None:
+    inside: list[BaseException] = []
+    outside: list[BaseException] = []
+    with trio.fail_after(30):
+        with trio.CancelScope() as outer:
+            try:
+                async with launched_client() as client:
+                    outer.cancel()
+                    try:
+                        await client.is_sleeping()
+                    except trio.Cancelled as exc:
+                        inside.append(exc)
+                        raise
+            except trio.Cancelled as exc:
+                outside.append(exc)
+                raise
+    assert outer.cancelled_caught
+    assert len(inside) == 1
+    assert outside[0] is inside[0]
+
+
+async def test_a_normal_exit_leaves_no_process_fd_or_directory_behind() -> None:
+    fds_before = open_fds()
+    with trio.fail_after(30):
+        async with launched_client() as client:
+            assert await stream_tokens(client, request("r", [1], 4)) == [2, 3, 4, 5]
+            ipc_dir = client._ipc_dir  # pyright: ignore[reportPrivateUsage]
+            assert ipc_dir is not None
+            assert Path(ipc_dir).is_dir()
+    assert not Path(ipc_dir).exists()
+    assert children_of_this_process() == []
+    assert open_fds() - fds_before == set()
+
+
 async def test_outer_cancellation_propagates_unchanged_and_the_engine_is_stopped() -> None:
     pid = None
     with trio.fail_after(30):
@@ -484,6 +519,50 @@ async def test_an_engine_that_crashes_at_startup_is_reported_with_its_stderr(
     assert "exited with code 7" in message
     assert "boom: no GPU" in message
     assert children_of_this_process() == []
+
+
+ORPHAN_SCRIPT = """
+import os, sys, trio
+from trio_enginecore import open_engine_client
+
+async def main():
+    async with open_engine_client() as client:
+        print(client.engine_pids[0], flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+async def test_an_engine_does_not_outlive_a_client_killed_with_sigkill() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            process = await nursery.start(
+                partial(
+                    trio.run_process,
+                    [sys.executable, "-c", ORPHAN_SCRIPT],
+                    stdout=subprocess.PIPE,
+                    check=False,
+                )
+            )
+            assert process.stdout is not None
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive_some(100)
+            engine_pid = int(line)
+            assert Path(f"/proc/{engine_pid}").exists()
+            process.kill()
+        # The engine notices it was orphaned and exits on its own.
+        while _is_running(engine_pid):
+            await trio.sleep(0.1)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 async def test_statistics_snapshot_is_frozen_and_counts() -> None:

@@ -221,6 +221,7 @@ def test_serve_help_explains_every_flag() -> None:
         "--output-address",
         "--handshake-address",
         "--headless",
+        "--exit-with-parent",
         "--handshake-timeout-s",
         "--model",
         "--rank",

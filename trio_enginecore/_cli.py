@@ -61,6 +61,12 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
         help="this engine runs on another host than the client (reported in the handshake)",
     )
     where.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this engine exits (set by clients that "
+        "launch engines, so that a killed client leaves no orphan engine)",
+    )
+    where.add_argument(
         "--handshake-timeout-s",
         type=float,
         default=300.0,
@@ -206,6 +212,7 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         handshake_address=args.handshake_address,
         headless=args.headless,
         handshake_timeout_s=args.handshake_timeout_s,
+        exit_with_parent=args.exit_with_parent,
     )
 
 

@@ -48,6 +48,7 @@ def engine_command(
         "serve",
         "--handshake-address",
         handshake_address,
+        "--exit-with-parent",
         "--model",
         config.model,
         "--rank",

@@ -7,6 +7,7 @@ signals: SIGTERM and SIGINT start a graceful drain, a second one stops at once.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from typing import Any, cast
 
@@ -36,6 +37,7 @@ async def _serve(
     handshake_address: str | None,
     headless: bool,
     handshake_timeout_s: float,
+    exit_with_parent: bool,
 ) -> None:
     engine = EngineCoreProc(config, ctx)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -52,6 +54,8 @@ async def _serve(
                     engine.begin_drain()
 
             nursery.start_soon(watch_signals)
+            if exit_with_parent:
+                nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
             handshake_socket = None
             if handshake_address is not None:
                 handshake_socket, addresses = await engine_handshake(
@@ -61,6 +65,22 @@ async def _serve(
                 addresses = addresses_for(inputs, outputs)
             await engine.run(addresses, handshake_socket=handshake_socket, headless=headless)
             nursery.cancel_scope.cancel()
+
+
+PARENT_POLL_INTERVAL_S = 0.5
+
+
+async def _exit_when_orphaned(scope: trio.CancelScope) -> None:
+    """Stop the engine once the process that launched it is gone.
+
+    A client killed with SIGKILL cannot stop its engines; without this they would run
+    on as orphans (the kernel reparents them, which changes ``getppid()``).
+    """
+    parent = os.getppid()
+    while os.getppid() == parent:  # noqa: ASYNC110 - no event exists for this
+        await trio.sleep(PARENT_POLL_INTERVAL_S)
+    logger.warning("the launching process (pid %d) is gone: stopping", parent)
+    scope.cancel()
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -82,6 +102,7 @@ def serve(
     handshake_address: str | None = None,
     headless: bool = False,
     handshake_timeout_s: float = 300.0,
+    exit_with_parent: bool = False,
 ) -> int:
     """Run an engine until it is drained; return the process exit code."""
     ctx: zmq.Context[Any] = zmq.Context()
@@ -96,6 +117,7 @@ def serve(
                 handshake_address=handshake_address,
                 headless=headless,
                 handshake_timeout_s=handshake_timeout_s,
+                exit_with_parent=exit_with_parent,
             )
         )
     except* FatalEngineError as group:

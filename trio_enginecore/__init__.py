@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from . import errors as errors, protocol as protocol, serial as serial
 from .client import (
+    AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
+    EngineCoreClient as EngineCoreClient,
+    InprocClient as InprocClient,
     RequestStream as RequestStream,
+    SyncMPClient as SyncMPClient,
+    TrioInprocClient as TrioInprocClient,
     TrioMPClient as TrioMPClient,
+    make_client as make_client,
     open_engine_client as open_engine_client,
 )
 from .config import EngineConfig as EngineConfig

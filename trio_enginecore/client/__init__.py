@@ -1,4 +1,4 @@
-"""Engine-core clients: the Trio multiprocess client and its per-request streams."""
+"""Engine-core clients: Trio and blocking, multiprocess and in-process."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ from ._base import (
     ClientStatistics as ClientStatistics,
 )
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
-from ._factory import open_engine_client as open_engine_client
+from ._factory import (
+    ClientKind as ClientKind,
+    make_client as make_client,
+    open_engine_client as open_engine_client,
+    select_client_kind as select_client_kind,
+)
+from ._inproc import InprocClient as InprocClient, TrioInprocClient as TrioInprocClient
 from ._mp import TrioMPClient as TrioMPClient
 from ._stream import RequestStream as RequestStream
+from ._sync import EngineCoreClient as EngineCoreClient, SyncMPClient as SyncMPClient

@@ -11,9 +11,10 @@ from a single task, with no checkpoint between receiving and handing over.
 from __future__ import annotations
 
 import abc
+import collections
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, TypeVar, final
 
@@ -26,6 +27,7 @@ from ..errors import EngineDeadError, ProtocolError, UtilityCallError
 from ..protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreReadyResponse,
     EngineCoreRequest,
     LoRARequest,
     UtilityOutput,
@@ -254,6 +256,16 @@ class TrioClientBase(AsyncEngineCoreClient):
         """Called after an engine's death was recorded and every waiter failed."""
 
     # ------------------------------------------------------------ public state
+
+    @property
+    def engines(self) -> tuple[EngineCoreReadyResponse | None, ...]:
+        """Each engine's ready response, by rank."""
+        return tuple(engine.ready for engine in self._engines)
+
+    @property
+    def engine_pids(self) -> tuple[int | None, ...]:
+        """The process id of each launched engine (None for attached engines)."""
+        return tuple(e.process.pid if e.process else None for e in self._engines)
 
     @property
     def is_dead(self) -> bool:
@@ -531,3 +543,66 @@ class TrioClientBase(AsyncEngineCoreClient):
             call.failure = "the engine client was closed"
             call.done.set()
         self._wake_batch_readers()
+
+
+C = TypeVar("C", bound=TrioClientBase)
+
+
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception in a (nested) group, or None if there are several."""
+    leaves: list[BaseException] = []
+    pending: collections.deque[BaseException] = collections.deque([group])
+    while pending:
+        error = pending.popleft()
+        if isinstance(error, BaseExceptionGroup):
+            pending.extend(error.exceptions)  # pyright: ignore[reportUnknownArgumentType, reportUnknownMemberType]
+        else:
+            leaves.append(error)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+@asynccontextmanager
+async def run_client(
+    client: C, start: Callable[[trio.Nursery], Awaitable[None]]
+) -> AsyncGenerator[C, None]:
+    """Run ``client`` inside its own nursery for the duration of an ``async with``.
+
+    ``start(nursery)`` must return only once the client is usable. On the way out the
+    client is closed (shielded) and its background tasks cancelled. The block's own
+    exception, or ``Cancelled``, propagates as itself (identity, ``__context__`` and
+    ``__cause__`` untouched); a startup failure propagates as itself; an engine death
+    during a block that did not raise becomes one :class:`EngineDeadError`; an
+    ExceptionGroup never escapes.
+    """
+    user_error: BaseException | None = None
+    startup_error: BaseException | None = None
+    background: BaseExceptionGroup[BaseException] | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                await start(nursery)
+            except BaseException as exc:
+                startup_error = exc
+            else:
+                try:
+                    yield client
+                except BaseException as exc:
+                    user_error = exc
+            finally:
+                await client.aclose()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # Background tasks never raise on purpose: this is an outer cancellation that
+        # arrived during shutdown, or a bug. Either way the caller gets one exception.
+        background = group
+    # Raised outside any `except` block so the exception keeps its own __context__ and
+    # __cause__: the caller's exception comes back exactly as it was.
+    error = user_error or startup_error
+    if error is None and background is not None:
+        error = _single(background)
+        if error is None:
+            raise EngineDeadError("the engine client failed in the background") from background
+    if error is not None:
+        raise error
+    if client._failure is not None:  # pyright: ignore[reportPrivateUsage]
+        raise EngineDeadError(client._failure)  # pyright: ignore[reportPrivateUsage]

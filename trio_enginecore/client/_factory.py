@@ -1,34 +1,111 @@
-"""Choosing and opening the right client for a configuration."""
+"""Choosing and opening the right client for a configuration, in one place."""
 
 from __future__ import annotations
 
+import enum
 from contextlib import AbstractAsyncContextManager
+from typing import Any, Literal, overload
 
 from ..config import EngineConfig
+from ._base import TrioClientBase
+from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
 from ._mp import TrioMPClient, open_trio_mp_client
+from ._sync import EngineCoreClient, SyncMPClient
 
-__all__ = ["open_engine_client"]
+__all__ = ["ClientKind", "make_client", "open_engine_client", "select_client_kind"]
 
 
+class ClientKind(enum.Enum):
+    """The client classes a configuration can select."""
+
+    TRIO_MP = "TrioMPClient"
+    TRIO_INPROC = "TrioInprocClient"
+    SYNC_MP = "SyncMPClient"
+    INPROC = "InprocClient"
+
+
+def select_client_kind(config: EngineConfig, *, multiprocess: bool, blocking: bool) -> ClientKind:
+    """Which client serves ``config``: the whole selection logic (pure).
+
+    Raises:
+        NotImplementedError: ``config.data_parallel_size > 1``; the data-parallel
+            clients will be selected here.
+    """
+    if config.data_parallel_size > 1:
+        raise NotImplementedError(
+            f"data_parallel_size={config.data_parallel_size}: the data-parallel clients are "
+            "not available yet; use data_parallel_size=1"
+        )
+    if blocking:
+        return ClientKind.SYNC_MP if multiprocess else ClientKind.INPROC
+    return ClientKind.TRIO_MP if multiprocess else ClientKind.TRIO_INPROC
+
+
+@overload
 def open_engine_client(
     config: EngineConfig | None = None,
     *,
+    multiprocess: Literal[True] = True,
     input_address: str | None = None,
     output_address: str | None = None,
     ready_timeout_s: float = 60.0,
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
     client_index: int = 0,
-) -> AbstractAsyncContextManager[TrioMPClient]:
-    """Open an engine client: ``async with open_engine_client(config) as client:``.
+) -> AbstractAsyncContextManager[TrioMPClient]: ...
 
-    By default it launches the engine(s) described by ``config`` as child processes
-    (the built-in reference engine), performs the startup handshake over ipc:// sockets
-    in a private directory, and returns once every engine is ready. With
+
+@overload
+def open_engine_client(
+    config: EngineConfig | None = None,
+    *,
+    multiprocess: Literal[False],
+    input_address: None = None,
+    output_address: None = None,
+    ready_timeout_s: float = 60.0,
+    shutdown_timeout_s: float = 5.0,
+    max_pending_outputs: int = 64,
+    client_index: int = 0,
+) -> AbstractAsyncContextManager[TrioInprocClient]: ...
+
+
+@overload
+def open_engine_client(
+    config: EngineConfig | None = None,
+    *,
+    multiprocess: bool,
+    input_address: str | None = None,
+    output_address: str | None = None,
+    ready_timeout_s: float = 60.0,
+    shutdown_timeout_s: float = 5.0,
+    max_pending_outputs: int = 64,
+    client_index: int = 0,
+) -> AbstractAsyncContextManager[TrioClientBase]: ...
+
+
+def open_engine_client(
+    config: EngineConfig | None = None,
+    *,
+    multiprocess: bool = True,
+    input_address: str | None = None,
+    output_address: str | None = None,
+    ready_timeout_s: float = 60.0,
+    shutdown_timeout_s: float = 5.0,
+    max_pending_outputs: int = 64,
+    client_index: int = 0,
+) -> AbstractAsyncContextManager[TrioClientBase]:
+    """Open a Trio engine client: ``async with open_engine_client(config) as client:``.
+
+    With ``multiprocess=True`` (the default) it launches the engine(s) described by
+    ``config`` as child processes (the built-in reference engine), performs the startup
+    handshake over ipc:// sockets in a private directory, and returns a
+    :class:`~trio_enginecore.TrioMPClient` once every engine is ready. With
     ``input_address`` and ``output_address`` it instead binds those addresses and
     attaches to engines started elsewhere (vLLM's ``client_addresses``), launching
     nothing and waiting for the ready message of each of the
-    ``config.data_parallel_size`` engines.
+    ``config.data_parallel_size`` engines. With ``multiprocess=False`` the engine runs
+    as a task of the client (:class:`~trio_enginecore.TrioInprocClient`): no process,
+    no sockets.
 
     Leaving the block aborts in-flight requests, stops launched engines (SIGTERM, then
     SIGKILL after ``shutdown_timeout_s``), closes the sockets and removes the private
@@ -38,6 +115,7 @@ def open_engine_client(
 
     Args:
         config: the engine configuration (default: ``EngineConfig()``).
+        multiprocess: run the engine in its own process (True) or in this one.
         input_address: attach mode: the address to bind the request ROUTER on.
         output_address: attach mode: the address to bind the output PULL on.
         ready_timeout_s: how long engines may take to become ready.
@@ -49,14 +127,17 @@ def open_engine_client(
     Raises:
         EngineStartupError: an engine failed to start or was not ready in time; the
             message names the engine and includes its exit code and last stderr lines.
-        NotImplementedError: ``config.data_parallel_size > 1`` (data-parallel clients
-            are not available yet).
+        NotImplementedError: a configuration whose client is not available yet
+            (``data_parallel_size > 1``).
+        ValueError: attach addresses with ``multiprocess=False``.
     """
     config = config if config is not None else EngineConfig()
-    if config.data_parallel_size != 1:
-        raise NotImplementedError(
-            "data-parallel clients (data_parallel_size > 1) are not available yet; "
-            "use data_parallel_size=1"
+    kind = select_client_kind(config, multiprocess=multiprocess, blocking=False)
+    if kind is ClientKind.TRIO_INPROC:
+        if input_address is not None or output_address is not None:
+            raise ValueError("an in-process client cannot attach to engines at addresses")
+        return open_trio_inproc_client(
+            config, max_pending_outputs=max_pending_outputs, client_index=client_index
         )
     return open_trio_mp_client(
         config,
@@ -67,3 +148,26 @@ def open_engine_client(
         max_pending_outputs=max_pending_outputs,
         client_index=client_index,
     )
+
+
+def make_client(
+    config: EngineConfig | None = None, *, multiprocess: bool = True, **open_kwargs: Any
+) -> EngineCoreClient:
+    """Create a blocking engine client (vLLM's ``EngineCoreClient.make_client``).
+
+    ``multiprocess=True`` gives a :class:`~trio_enginecore.SyncMPClient` (the engine in
+    its own process; ``open_kwargs`` as for :func:`open_engine_client`), ``False`` an
+    :class:`~trio_enginecore.InprocClient` (the engine steps inside ``get_output()``).
+    Use the result as a context manager.
+
+    Raises:
+        NotImplementedError: as :func:`open_engine_client`.
+        TypeError: ``open_kwargs`` given for an in-process client.
+    """
+    config = config if config is not None else EngineConfig()
+    kind = select_client_kind(config, multiprocess=multiprocess, blocking=True)
+    if kind is ClientKind.INPROC:
+        if open_kwargs:
+            raise TypeError(f"InprocClient takes no options, got {sorted(open_kwargs)}")
+        return InprocClient(config)
+    return SyncMPClient(config, **open_kwargs)

@@ -17,7 +17,6 @@ Requests are sent from the caller's task (non-blocking multipart sends are atomi
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import shutil
@@ -30,7 +29,7 @@ import zmq
 
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
-from ..errors import EngineDeadError, EngineStartupError, ProtocolError
+from ..errors import EngineStartupError, ProtocolError
 from ..protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -45,7 +44,7 @@ from ..protocol import (
     UtilityRequest,
 )
 from ..serial import MsgpackDecoder, MsgpackEncoder
-from ._base import TrioClientBase
+from ._base import TrioClientBase, run_client
 from ._launch import EngineHandle, engine_command, private_ipc_dir, start_engine_process
 
 __all__ = ["TrioMPClient", "open_trio_mp_client"]
@@ -75,7 +74,9 @@ class TrioMPClient(TrioClientBase):
         client_index: int = 0,
         max_pending_outputs: int = 64,
         abort_timeout_s: float = 1.0,
+        shutdown_timeout_s: float = 5.0,
     ) -> None:
+        self.shutdown_timeout_s = shutdown_timeout_s
         super().__init__(
             config,
             client_index=client_index,
@@ -91,16 +92,6 @@ class TrioMPClient(TrioClientBase):
         self._startup_scope: trio.CancelScope | None = None
 
     # ------------------------------------------------------------ public state
-
-    @property
-    def engines(self) -> tuple[EngineCoreReadyResponse | None, ...]:
-        """Each engine's ready response, by rank."""
-        return tuple(engine.ready for engine in self._engines)
-
-    @property
-    def engine_pids(self) -> tuple[int | None, ...]:
-        """The process id of each launched engine (None for attached engines)."""
-        return tuple(e.process.pid if e.process else None for e in self._engines)
 
     def _sock_in(self) -> TrioSocket:
         assert self._input is not None, "the client is not started"
@@ -292,13 +283,14 @@ class TrioMPClient(TrioClientBase):
 
     # ---------------------------------------------------------------- shutdown
 
-    async def aclose(self, *, shutdown_timeout_s: float = 5.0) -> None:
+    async def aclose(self) -> None:
         """Abort in-flight requests, stop launched engines, close sockets.
 
         Launched engines get SIGTERM and are killed if they have not exited within
-        ``shutdown_timeout_s``. Attached engines are left running (their in-flight
-        requests from this client are aborted). Idempotent. Runs shielded from
-        cancellation (bounded by the timeout), like every Trio ``aclose``.
+        ``shutdown_timeout_s`` (a constructor argument). Attached engines are left
+        running (their in-flight requests from this client are aborted). Idempotent.
+        Runs shielded from cancellation (bounded by the timeout), like every Trio
+        ``aclose``.
         """
         if self._closed:
             await trio.lowlevel.checkpoint()
@@ -307,7 +299,7 @@ class TrioMPClient(TrioClientBase):
             if self._input is not None:
                 self._fail_waiters_on_close()
             self._closing = True
-            await self._stop_processes(shutdown_timeout_s)
+            await self._stop_processes(self.shutdown_timeout_s)
             self._closed = True
             for sock in (self._input, self._output):
                 if sock is not None:
@@ -338,19 +330,6 @@ class TrioMPClient(TrioClientBase):
                 await engine.process.stderr.aclose()
 
 
-def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one exception in a (nested) group, or None if there are several."""
-    leaves: list[BaseException] = []
-    pending: collections.deque[BaseException] = collections.deque([group])
-    while pending:
-        error = pending.popleft()
-        if isinstance(error, BaseExceptionGroup):
-            pending.extend(error.exceptions)  # pyright: ignore[reportUnknownArgumentType, reportUnknownMemberType]
-        else:
-            leaves.append(error)
-    return leaves[0] if len(leaves) == 1 else None
-
-
 @asynccontextmanager
 async def open_trio_mp_client(
     config: EngineConfig,
@@ -366,42 +345,19 @@ async def open_trio_mp_client(
     if not (math.isfinite(ready_timeout_s) and ready_timeout_s > 0):
         raise ValueError(f"ready_timeout_s must be a positive number, got {ready_timeout_s!r}")
     client = TrioMPClient(
-        config, client_index=client_index, max_pending_outputs=max_pending_outputs
+        config,
+        client_index=client_index,
+        max_pending_outputs=max_pending_outputs,
+        shutdown_timeout_s=shutdown_timeout_s,
     )
-    user_error: BaseException | None = None
-    startup_error: BaseException | None = None
-    background: BaseExceptionGroup[BaseException] | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            try:
-                await client._start(  # pyright: ignore[reportPrivateUsage]
-                    nursery,
-                    input_address=input_address,
-                    output_address=output_address,
-                    ready_timeout_s=ready_timeout_s,
-                )
-            except BaseException as exc:
-                startup_error = exc
-            else:
-                try:
-                    yield client
-                except BaseException as exc:
-                    user_error = exc
-            finally:
-                await client.aclose(shutdown_timeout_s=shutdown_timeout_s)
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # Background tasks never raise on purpose: this is an outer cancellation that
-        # arrived during shutdown, or a bug. Either way the caller gets one exception.
-        background = group
-    # Raised outside any `except` block so the exception keeps its own __context__ and
-    # __cause__: the caller's exception comes back exactly as it was.
-    error = user_error or startup_error
-    if error is None and background is not None:
-        error = _single(background)
-        if error is None:
-            raise EngineDeadError("the engine client failed in the background") from background
-    if error is not None:
-        raise error
-    if client._failure is not None:  # pyright: ignore[reportPrivateUsage]
-        raise EngineDeadError(client._failure)  # pyright: ignore[reportPrivateUsage]
+
+    async def start(nursery: trio.Nursery) -> None:
+        await client._start(  # pyright: ignore[reportPrivateUsage]
+            nursery,
+            input_address=input_address,
+            output_address=output_address,
+            ready_timeout_s=ready_timeout_s,
+        )
+
+    async with run_client(client, start) as running:
+        yield running

@@ -1,0 +1,252 @@
+"""In-process clients: the engine runs in the caller's process, with no sockets.
+
+:class:`TrioInprocClient` runs the engine loop as a task in the client's nursery (the
+model step runs in a worker thread, so the Trio thread stays responsive) and offers the
+full Trio client API, streams included: for debugging and for tests that want no
+subprocess. :class:`InprocClient` is vLLM's blocking in-process client: ``get_output()``
+steps the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import AsyncGenerator, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, final
+
+import trio
+
+from ..config import EngineConfig
+from ..engine import EngineCore, FatalEngineError
+from ..errors import EngineDeadError
+from ..protocol import EngineCoreOutputs, EngineCoreRequest, UtilityOutput, UtilityRequest
+from ._base import ClientStatistics, TrioClientBase, run_client
+from ._launch import EngineHandle
+from ._sync import EngineCoreClient
+
+__all__ = ["InprocClient", "TrioInprocClient", "open_trio_inproc_client"]
+
+logger = logging.getLogger("trio_enginecore.client")
+
+
+def _engine_handle(config: EngineConfig) -> EngineHandle:
+    rank = config.data_parallel_rank
+    return EngineHandle(rank=rank, identity=rank.to_bytes(2, "little"))
+
+
+@final
+class TrioInprocClient(TrioClientBase):
+    """A Trio client whose engine runs as a task of its own nursery.
+
+    Same API and semantics as :class:`~trio_enginecore.TrioMPClient`, with two
+    documented differences: there is no engine process (so no process death, and
+    ``engine_pids`` is ``(None,)``), and requests reach the engine between model
+    steps, as they would through a socket. A fatal engine error fails every waiter
+    with :class:`~trio_enginecore.errors.EngineDeadError`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        client_index: int = 0,
+        max_pending_outputs: int = 64,
+    ) -> None:
+        super().__init__(config, client_index=client_index, max_pending_outputs=max_pending_outputs)
+        self.core = EngineCore(config)
+        self._engines = [_engine_handle(config)]
+        self._engines[0].ready = self.core.ready_response()
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._work = trio.Event()
+
+    @property
+    def engine_pids(self) -> tuple[int | None, ...]:
+        """Always ``(None,)``: the engine runs in this process."""
+        return (None,)
+
+    # The inbox decouples callers from the engine loop: the core is only touched by
+    # the loop, never while a step runs in the worker thread.
+    def _post(self, action: Callable[[], None]) -> None:
+        self._inbox.append(action)
+        self._work.set()
+
+    async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        self._post(lambda: self.core.add_request(request))
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
+        self._post(lambda: self.core.abort_requests(request_ids))
+
+    async def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+        self._post(
+            lambda: self.core.call_utility(call.client_index, call.call_id, call.method, call.args)
+        )
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._engine_loop)
+        await trio.lowlevel.checkpoint()
+
+    async def _engine_loop(self) -> None:
+        core = self.core
+        engine = self._engines[0]
+        step_time = self.config.step_time_s
+        try:
+            while True:
+                while self._inbox:
+                    self._inbox.popleft()()
+                self._deliver_utility_replies()
+                if core.can_step:
+                    messages = await trio.to_thread.run_sync(core.step)
+                    for message in messages.values():
+                        self._handle_outputs(message)
+                    self._deliver_utility_replies()
+                    if step_time:
+                        await trio.sleep(step_time)
+                    else:
+                        await trio.lowlevel.checkpoint()
+                    continue
+                await self._work.wait()
+                self._work = trio.Event()
+        except FatalEngineError as exc:
+            self._engine_died(engine, f"fatal engine error: {exc}")
+
+    def _deliver_utility_replies(self) -> None:
+        for _, reply in self.core.take_utility_outputs():
+            self._handle_outputs(
+                EngineCoreOutputs(engine_index=self.config.data_parallel_rank, utility_output=reply)
+            )
+
+    async def aclose(self) -> None:
+        """Abort in-flight requests and stop the engine loop. Idempotent."""
+        if not self._closed:
+            self._fail_waiters_on_close()
+            self._closed = True
+            for engine in self._engines:
+                engine.alive = False
+        await trio.lowlevel.checkpoint()
+
+
+@asynccontextmanager
+async def open_trio_inproc_client(
+    config: EngineConfig, *, max_pending_outputs: int = 64, client_index: int = 0
+) -> AsyncGenerator[TrioInprocClient, None]:
+    """Open a :class:`TrioInprocClient` (see :func:`trio_enginecore.open_engine_client`)."""
+    client = TrioInprocClient(
+        config, client_index=client_index, max_pending_outputs=max_pending_outputs
+    )
+    async with run_client(client, client._start) as running:  # pyright: ignore[reportPrivateUsage]
+        yield running
+
+
+@final
+class InprocClient(EngineCoreClient):
+    """vLLM's in-process blocking client: the engine runs inside the calling thread.
+
+    ``get_output()`` runs one engine step and returns its outputs, an empty
+    :class:`~trio_enginecore.protocol.EngineCoreOutputs` when the engine has nothing to
+    do (it never blocks). Utility calls run immediately; one that waits for the engine
+    (``pause_scheduler("wait")``) steps it until done and keeps those outputs for
+    ``get_output()``. Not thread-safe, like vLLM's: use one thread, or
+    :class:`~trio_enginecore.SyncMPClient`.
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config if config is not None else EngineConfig()
+        self.core = EngineCore(self.config)
+        self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._inflight: set[str] = set()
+        self._call_id = 0
+        self._closed = False
+        self._failure: str | None = None
+        self._messages = 0
+        self._outputs = 0
+        self._tokens = 0
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+        if self._closed:
+            raise RuntimeError("the client is closed")
+
+    def _step(self) -> None:
+        try:
+            messages = self.core.step()
+        except FatalEngineError as exc:
+            self._failure = f"fatal engine error: {exc}"
+            raise EngineDeadError(self._failure) from exc
+        for message in messages.values():
+            self._messages += 1
+            for output in message.outputs:
+                self._outputs += 1
+                self._tokens += len(output.new_token_ids)
+                if output.finish_reason is not None:
+                    self._inflight.discard(output.request_id)
+            self._pending.append(message)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check()
+        if request.request_id in self._inflight:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        request.client_index = 0
+        self._inflight.add(request.request_id)
+        self.core.add_request(request)
+
+    def get_output(self) -> EngineCoreOutputs:
+        self._check()
+        if not self._pending and self.core.can_step:
+            self._step()
+        if not self._pending:
+            return EngineCoreOutputs(engine_index=self.config.data_parallel_rank)
+        if len(self._pending) == 1:
+            return self._pending.popleft()
+        merged = self._pending.popleft()
+        while self._pending:
+            merged.outputs.extend(self._pending.popleft().outputs)
+        return merged
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self._check()
+        ids = [r for r in request_ids if r in self._inflight]
+        self._inflight.difference_update(ids)
+        self.core.abort_requests(ids)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        self._check()
+        self._call_id += 1
+        call_id = self._call_id
+        self.core.call_utility(0, call_id, method, args)
+        while True:
+            reply = self._find_reply(call_id)
+            if reply is not None:
+                return self._unwrap(method, reply)
+            if not self.core.can_step:
+                raise EngineDeadError(f"utility {method!r} cannot complete: the engine is idle")
+            self._step()
+
+    def _find_reply(self, call_id: int) -> UtilityOutput | None:
+        found = None
+        for _, reply in self.core.take_utility_outputs():
+            if reply.call_id == call_id:
+                found = reply
+        return found
+
+    def statistics(self) -> ClientStatistics:
+        return ClientStatistics(
+            requests_in_flight=len(self._inflight),
+            open_streams=0,
+            pending_utility_calls=0,
+            pending_batches=len(self._pending),
+            messages_received=self._messages,
+            outputs_received=self._outputs,
+            tokens_received=self._tokens,
+            protocol_errors=0,
+            engines_alive=0 if self._closed or self._failure else 1,
+        )
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.core.abort_requests(list(self._inflight))
+            self._inflight.clear()

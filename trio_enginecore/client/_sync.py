@@ -1,0 +1,296 @@
+"""Blocking clients, for code that does not run under Trio.
+
+:class:`EngineCoreClient` is the blocking interface (the same method names as the Trio
+clients, as plain methods). :class:`SyncMPClient` implements it by running a
+:class:`~trio_enginecore.TrioMPClient` in a Trio event loop on one background thread and
+reaching it with :func:`trio.from_thread.run`: every socket has exactly one owner (the
+Trio thread), all the Trio client's guarantees carry over, and a blocked call can be
+interrupted with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import Any, Literal, Self, TypeVar, final
+
+import msgspec
+import trio
+
+from ..config import EngineConfig
+from ..errors import ProtocolError, UtilityCallError
+from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, UtilityOutput
+from ._base import ClientStatistics
+from ._mp import TrioMPClient, open_trio_mp_client
+
+__all__ = ["EngineCoreClient", "SyncMPClient"]
+
+logger = logging.getLogger("trio_enginecore.client")
+
+T = TypeVar("T")
+
+
+class EngineCoreClient(abc.ABC):
+    """The blocking interface of every engine-core client (vLLM's ``EngineCoreClient``).
+
+    The methods are those of :class:`~trio_enginecore.AsyncEngineCoreClient`, blocking.
+    Use it as a context manager: leaving the ``with`` block closes the client.
+    """
+
+    @abc.abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Submit a request; its outputs arrive through :meth:`get_output`."""
+
+    @abc.abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next engine message with outputs of submitted requests."""
+
+    @abc.abstractmethod
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call a utility method on the engine and return its untyped result."""
+
+    @abc.abstractmethod
+    def statistics(self) -> ClientStatistics:
+        """A frozen snapshot of the client's counters."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Abort in-flight requests and release everything. Idempotent."""
+
+    def shutdown(self) -> None:
+        """vLLM's name for :meth:`close`."""
+        self.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @staticmethod
+    def _unwrap(method: str, reply: UtilityOutput) -> Any:
+        if reply.failure_message is not None:
+            raise UtilityCallError(method, reply.failure_message)
+        return reply.result.result if reply.result is not None else None
+
+    def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
+        result = self.call_utility(method, *args)
+        try:
+            return msgspec.convert(result, result_type, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(
+                f"utility {method!r} returned {result!r}, expected {result_type}: {exc}"
+            ) from exc
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine is asleep."""
+        return self._typed_call(bool, "is_sleeping")
+
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
+        self.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine up after :meth:`sleep`."""
+        self.call_utility("wake_up", tags)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Clear the engine's prefix cache; False if it could not (requests running)."""
+        return self._typed_call(bool, "reset_prefix_cache", reset_running_requests, reset_connector)
+
+    def profile(self, is_start: bool = True) -> None:
+        """Start (or stop) the engine's profiler."""
+        self.call_utility("profile", is_start)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter on the engine; False if there is no room."""
+        return self._typed_call(bool, "add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unregister a LoRA adapter; False if it was not registered."""
+        return self._typed_call(bool, "remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the LoRA adapters registered on the engine."""
+        return self._typed_call(set[int], "list_loras")
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a LoRA adapter registered; False if it is not registered."""
+        return self._typed_call(bool, "pin_lora", lora_id)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """The tasks the engine serves, e.g. ``("generate",)``."""
+        return self._typed_call(tuple[str, ...], "get_supported_tasks")
+
+    def execute_dummy_batch(self) -> None:
+        """Run the model once on a throwaway batch (a warm-up)."""
+        self.call_utility("execute_dummy_batch")
+
+    def set_weight_version(self, version: str | None) -> None:
+        """Record the weight version the engine reports on its outputs."""
+        self.call_utility("set_weight_version", version)
+
+    def get_weight_version(self) -> str | None:
+        """The weight version set with :meth:`set_weight_version`."""
+        return self._typed_call(str | None, "get_weight_version")  # type: ignore[arg-type]
+
+    def pause_scheduler(
+        self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
+    ) -> None:
+        """Pause the engine's scheduler (see the Trio client's ``pause_scheduler``)."""
+        self.call_utility("pause_scheduler", mode, clear_cache)
+
+    def resume_scheduler(self) -> None:
+        """Resume the engine's scheduler after :meth:`pause_scheduler`."""
+        self.call_utility("resume_scheduler")
+
+    def is_scheduler_paused(self) -> bool:
+        """Whether the engine's scheduler is paused."""
+        return self._typed_call(bool, "is_scheduler_paused")
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(waiting, running)`` request counts of the engine."""
+        return self._typed_call(tuple[int, int], "get_request_counts")
+
+
+@final
+class SyncMPClient(EngineCoreClient):
+    """A blocking client for engines in other processes, safe to use from many threads.
+
+    ::
+
+        with trio_enginecore.SyncMPClient(EngineConfig()) as client:
+            client.add_request(request)
+            outputs = client.get_output()
+
+    The constructor launches (or attaches to) the engines exactly like
+    :func:`~trio_enginecore.open_engine_client`, whose keyword arguments it takes, and
+    returns once they are ready. Calls block the calling thread only; any number of
+    threads may call at once, and each output message is delivered to exactly one
+    ``get_output()`` caller. A blocked call can be interrupted (Ctrl-C raises
+    ``KeyboardInterrupt`` in the main thread); leaving the ``with`` block then stops
+    the engine. If the engine dies, every blocked and later call raises
+    :class:`~trio_enginecore.errors.EngineDeadError`. After :meth:`close`, calls raise
+    :class:`trio.ClosedResourceError`.
+
+    Raises:
+        EngineStartupError: from the constructor, as ``open_engine_client``.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **open_kwargs: Any) -> None:
+        self.config = config if config is not None else EngineConfig()
+        self._open_kwargs = open_kwargs
+        self._client: TrioMPClient | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._startup_error: BaseException | None = None
+        self._ready = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name="trio-enginecore-client", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._ready.wait()
+        except BaseException:
+            # Interrupted while the engine starts: tear down what exists.
+            self.close()
+            raise
+        error = self._startup_failure()
+        if error is not None:
+            self._thread.join()
+            self._closed = True
+            raise error
+
+    def _startup_failure(self) -> BaseException | None:
+        # Set by the loop thread; read only after _ready says the loop got that far.
+        return self._startup_error
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:
+            if self._client is None:
+                self._startup_error = exc
+            else:
+                logger.debug("the client's event loop ended with %r", exc)
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        async with open_trio_mp_client(self.config, **self._open_kwargs) as client:
+            self._stop = trio.Event()
+            self._token = trio.lowlevel.current_trio_token()
+            self._client = client
+            self._ready.set()
+            await self._stop.wait()
+
+    def _run_in_loop(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
+        if self._closed or self._token is None:
+            raise trio.ClosedResourceError("the engine client is closed")
+        try:
+            return trio.from_thread.run(function, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise trio.ClosedResourceError("the engine client is closed") from None
+
+    @property
+    def _trio_client(self) -> TrioMPClient:
+        if self._client is None:
+            raise trio.ClosedResourceError("the engine client is closed")
+        return self._client
+
+    @property
+    def engine_pids(self) -> tuple[int | None, ...]:
+        """The process id of each launched engine."""
+        return self._trio_client.engine_pids
+
+    @property
+    def is_dead(self) -> bool:
+        """True once an engine died."""
+        return self._trio_client.is_dead
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._run_in_loop(self._trio_client.add_request, request)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self._run_in_loop(self._trio_client.get_output)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self._run_in_loop(self._trio_client.abort_requests, list(request_ids))
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._run_in_loop(self._trio_client.call_utility, method, *args)
+
+    def statistics(self) -> ClientStatistics:
+        return self._trio_client.statistics()
+
+    def close(self) -> None:
+        """Stop the engines, close the sockets and end the background thread.
+
+        Threads blocked in a call get :class:`trio.ClosedResourceError`. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        token, stop = self._token, self._stop
+        if token is not None and stop is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(stop.set, trio_token=token)
+        self._thread.join()
+        if self._client is not None and self._client.is_dead:
+            logger.debug("closed a client whose engine had died")

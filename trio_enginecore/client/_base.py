@@ -327,8 +327,10 @@ class TrioClientBase(AsyncEngineCoreClient):
     async def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests on the engines that have them. Unknown ids are ignored.
 
-        The engine sends no output for a request it aborts on our behalf; a stream of
-        an aborted request ends with a local ``FinishReason.ABORT`` output.
+        The engine sends no output for a request it aborts on our behalf, and outputs
+        already received for it are dropped: after this returns, ``get_output()`` never
+        returns an output of these requests. A stream of an aborted request ends with a
+        local ``FinishReason.ABORT`` output.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._abort_now(request_ids)
@@ -461,6 +463,9 @@ class TrioClientBase(AsyncEngineCoreClient):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream._abort_locally()  # pyright: ignore[reportPrivateUsage]
+            if len(self._batches):
+                # Outputs received before the abort must not surface after it.
+                self._batches.discard(set(ids))
 
     def _handle_outputs(self, message: EngineCoreOutputs) -> None:
         """Route one decoded engine message. Synchronous: call it with no checkpoint

@@ -114,6 +114,18 @@ class BatchCollector:
                 setattr(last, name, value)
         self.merged += 1
 
+    def discard(self, request_ids: set[str]) -> None:
+        """Drop pending outputs of these requests (they were aborted).
+
+        Messages left with neither outputs nor statistics are dropped too.
+        """
+        kept: collections.deque[EngineCoreOutputs] = collections.deque()
+        for message in self._pending:
+            message.outputs = [o for o in message.outputs if o.request_id not in request_ids]
+            if message.outputs or message.scheduler_stats is not None:
+                kept.append(message)
+        self._pending = kept
+
     def take(self) -> EngineCoreOutputs | None:
         """The oldest pending message, or None."""
         return self._pending.popleft() if self._pending else None

@@ -211,6 +211,9 @@ class InprocClient(EngineCoreClient):
         ids = [r for r in request_ids if r in self._inflight]
         self._inflight.difference_update(ids)
         self.core.abort_requests(ids)
+        dropped = set(ids)
+        for message in self._pending:
+            message.outputs = [o for o in message.outputs if o.request_id not in dropped]
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self._check()

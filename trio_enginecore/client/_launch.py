@@ -16,7 +16,7 @@ import trio
 from ..config import EngineConfig
 from ..protocol import EngineCoreReadyResponse
 
-__all__ = ["EngineHandle", "engine_command", "private_ipc_dir"]
+__all__ = ["EngineHandle", "engine_command", "private_ipc_dir", "serve_arguments"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
@@ -37,18 +37,9 @@ def private_ipc_dir() -> str:
     return tempfile.mkdtemp(prefix="tec-", dir=base)
 
 
-def engine_command(
-    config: EngineConfig, handshake_address: str, *, log_level: str = "WARNING"
-) -> list[str]:
-    """The command line that starts one engine of ``config`` in handshake mode."""
-    command = [
-        sys.executable,
-        "-m",
-        "trio_enginecore",
-        "serve",
-        "--handshake-address",
-        handshake_address,
-        "--exit-with-parent",
+def serve_arguments(config: EngineConfig) -> list[str]:
+    """The ``trio-enginecore serve`` flags that reproduce ``config``."""
+    arguments = [
         "--model",
         config.model,
         "--rank",
@@ -67,16 +58,32 @@ def engine_command(
         str(config.seed),
         "--drain-timeout-s",
         repr(config.drain_timeout_s),
-        "--log-level",
-        log_level,
     ]
     if config.vocab_size is not None:
-        command += ["--vocab-size", str(config.vocab_size)]
+        arguments += ["--vocab-size", str(config.vocab_size)]
     if config.log_stats:
-        command.append("--log-stats")
+        arguments.append("--log-stats")
     if config.enable_fault_injection:
-        command.append("--enable-fault-injection")
-    return command
+        arguments.append("--enable-fault-injection")
+    return arguments
+
+
+def engine_command(
+    config: EngineConfig, handshake_address: str, *, log_level: str = "WARNING"
+) -> list[str]:
+    """The command line that starts one engine of ``config`` in handshake mode."""
+    return [
+        sys.executable,
+        "-m",
+        "trio_enginecore",
+        "serve",
+        "--handshake-address",
+        handshake_address,
+        "--exit-with-parent",
+        "--log-level",
+        log_level,
+        *serve_arguments(config),
+    ]
 
 
 @attrs.define(eq=False)

@@ -198,6 +198,7 @@ class SyncMPClient(EngineCoreClient):
         self._client: TrioMPClient | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
+        self._loop_scope: trio.CancelScope | None = None
         self._startup_error: BaseException | None = None
         self._ready = threading.Event()
         self._closed = False
@@ -233,12 +234,17 @@ class SyncMPClient(EngineCoreClient):
             self._ready.set()
 
     async def _main(self) -> None:
-        async with open_trio_mp_client(self.config, **self._open_kwargs) as client:
+        with trio.CancelScope() as scope:
+            # Published before the engine starts, so close() can abandon the startup.
             self._stop = trio.Event()
+            self._loop_scope = scope
             self._token = trio.lowlevel.current_trio_token()
-            self._client = client
-            self._ready.set()
-            await self._stop.wait()
+            if self._closed:  # closed (e.g. Ctrl-C) before the loop published its token
+                return
+            async with open_trio_mp_client(self.config, **self._open_kwargs) as client:
+                self._client = client
+                self._ready.set()
+                await self._stop.wait()
 
     def _run_in_loop(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
         if self._closed or self._token is None:
@@ -287,10 +293,17 @@ class SyncMPClient(EngineCoreClient):
         if self._closed:
             return
         self._closed = True
-        token, stop = self._token, self._stop
-        if token is not None and stop is not None:
+        token, stop, scope = self._token, self._stop, self._loop_scope
+        if token is not None and stop is not None and scope is not None:
+
+            def stop_loop() -> None:
+                if self._client is None:
+                    scope.cancel()  # still starting (interrupted constructor): abandon it
+                else:
+                    stop.set()
+
             with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(stop.set, trio_token=token)
+                trio.from_thread.run_sync(stop_loop, trio_token=token)
         self._thread.join()
         if self._client is not None and self._client.is_dead:
             logger.debug("closed a client whose engine had died")

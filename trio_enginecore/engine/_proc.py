@@ -294,6 +294,9 @@ class EngineCoreProc:
                 if core.num_requests:
                     logger.warning("drain timeout: aborting %d request(s)", core.num_requests)
                 core.abort_all()
+            # Replies first: they are cheap, latency-sensitive, and must not be lost if
+            # the step that follows fails fatally.
+            await self._send_utility_replies()
             if core.can_step:
                 messages = core.step()
                 for client_index, outputs in messages.items():
@@ -304,7 +307,6 @@ class EngineCoreProc:
                 else:
                     await trio.lowlevel.checkpoint()
                 continue
-            await self._send_utility_replies()
             if self._draining and core.num_requests == 0:
                 return
             if self._draining:

@@ -1,0 +1,277 @@
+"""One contract, every client.
+
+The same behaviours, checked through a thin harness for each client kind: the Trio
+multiprocess client (launching its engine, and attached to an engine the test starts),
+the Trio in-process client, the blocking multiprocess client and the blocking
+in-process client. Blocking clients are driven from worker threads with
+``trio.to_thread``. Where a behaviour cannot exist for a kind (no engine process to
+kill in-process) the test says so by its parameters, and the client's docstring says why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+
+from trio_enginecore import (
+    EngineConfig,
+    EngineCoreClient,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDeadError,
+    FinishReason,
+    InprocClient,
+    SamplingParams,
+    SyncMPClient,
+    UtilityCallError,
+    open_engine_client,
+)
+from trio_enginecore.client._base import TrioClientBase
+from trio_enginecore.client._launch import serve_arguments
+from trio_enginecore.engine import CounterModel
+from trio_enginecore.protocol import LoRARequest
+
+from .enginepeer import serve_command
+from .test_client import children_of_this_process, open_fds
+
+KINDS = ["trio-launched", "trio-attached", "trio-inproc", "sync", "inproc-sync"]
+WITH_PROCESS = ["trio-launched", "sync"]
+
+
+def request(
+    request_id: str, prompt: list[int], max_tokens: int, **sampling: Any
+) -> EngineCoreRequest:
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
+    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, None)
+
+
+class Harness:
+    """The client operations the contract needs, awaitable for every kind."""
+
+    def __init__(self, kind: str, client: TrioClientBase | EngineCoreClient) -> None:
+        self.kind = kind
+        self.client = client
+
+    async def _run(self, name: str, *args: Any) -> Any:
+        method: Callable[..., Any] = getattr(self.client, name)
+        if isinstance(self.client, EngineCoreClient):
+            return await trio.to_thread.run_sync(partial(method, *args))
+        return await method(*args)
+
+    async def add(self, req: EngineCoreRequest) -> None:
+        await self._run("add_request", req)
+
+    async def get_output(self) -> EngineCoreOutputs:
+        return await self._run("get_output")  # type: ignore[no-any-return]
+
+    async def abort(self, ids: list[str]) -> None:
+        await self._run("abort_requests", ids)
+
+    async def call(self, name: str, *args: Any) -> Any:
+        return await self._run(name, *args)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.client.engine_pids[0] if hasattr(self.client, "engine_pids") else None
+
+    def in_flight(self) -> int:
+        return self.client.statistics().requests_in_flight
+
+
+@asynccontextmanager
+async def open_harness(kind: str, **config: Any) -> AsyncIterator[Harness]:
+    engine_config = EngineConfig(**config)
+    if kind == "trio-launched":
+        async with open_engine_client(engine_config) as client:
+            yield Harness(kind, client)
+    elif kind == "trio-inproc":
+        async with open_engine_client(engine_config, multiprocess=False) as inproc:
+            yield Harness(kind, inproc)
+    elif kind == "trio-attached":
+        async with _attached(engine_config) as attached:
+            yield Harness(kind, attached)
+    else:
+        factory = (
+            partial(SyncMPClient, engine_config)
+            if kind == "sync"
+            else partial(InprocClient, engine_config)
+        )
+        blocking: EngineCoreClient = await trio.to_thread.run_sync(factory)
+        try:
+            yield Harness(kind, blocking)
+        finally:
+            await trio.to_thread.run_sync(blocking.close)
+
+
+@asynccontextmanager
+async def _attached(config: EngineConfig) -> AsyncIterator[TrioClientBase]:
+    tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
+    inp, out = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    args = ["--input-address", inp, "--output-address", out, *serve_arguments(config)]
+    # No nursery here, so the client's own exception reaches the test unwrapped.
+    process = await trio.lowlevel.open_process(serve_command(*args))
+    try:
+        async with open_engine_client(config, input_address=inp, output_address=out) as client:
+            yield client
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(5):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def collect(harness: Harness, requests: dict[str, list[int]]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    pending = set(requests)
+    while pending:
+        outputs = await harness.get_output()
+        for output in outputs.outputs:
+            tokens[output.request_id] += output.new_token_ids
+            if output.finish_reason is not None:
+                pending.discard(output.request_id)
+    return tokens
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def test_exact_counter_sequences_for_100_concurrent_requests(kind: str) -> None:
+    prompts = {f"r{i}": [i * 11 + 1] for i in range(100)}
+    with trio.fail_after(60):
+        async with open_harness(kind) as harness:
+            for rid, prompt in prompts.items():
+                await harness.add(request(rid, prompt, 12))
+            tokens = await collect(harness, prompts)
+            assert harness.in_flight() == 0
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == CounterModel.expected_tokens(prompt, 12), rid
+
+
+async def test_abort_forgets_the_request_on_the_engine(kind: str) -> None:
+    with trio.fail_after(30):
+        async with open_harness(kind) as harness:
+            await harness.add(request("long", [1], 100_000))
+            await harness.add(request("short", [50], 3))
+            await harness.get_output()
+            await harness.abort(["long", "never-existed"])
+            assert harness.in_flight() <= 1
+            tokens = await collect(harness, {"short": [50]})
+            assert tokens["short"] == [51, 52, 53][-len(tokens["short"]) :]
+            assert await harness.call("get_request_counts") == (0, 0)
+            assert harness.in_flight() == 0
+
+
+async def test_every_utility_wrapper(kind: str) -> None:
+    with trio.fail_after(30):
+        async with open_harness(kind, max_loras=1) as harness:
+            call = harness.call
+            assert await call("get_supported_tasks") == ("generate",)
+            assert await call("is_sleeping") is False
+            await call("sleep", 1)
+            assert await call("is_sleeping") is True
+            await call("wake_up")
+            assert await call("is_sleeping") is False
+            assert await call("add_lora", LoRARequest("a", 3, "/a")) is True
+            assert await call("add_lora", LoRARequest("b", 4, "/b")) is False
+            assert await call("list_loras") == {3}
+            assert await call("pin_lora", 3) is True
+            assert await call("remove_lora", 3) is True
+            assert await call("remove_lora", 3) is False
+            assert await call("reset_prefix_cache") is True
+            await call("profile", True)
+            await call("profile", False)
+            await call("execute_dummy_batch")
+            await call("set_weight_version", "w1")
+            assert await call("get_weight_version") == "w1"
+            await call("pause_scheduler", "keep")
+            assert await call("is_scheduler_paused") is True
+            await call("resume_scheduler")
+            assert await call("is_scheduler_paused") is False
+            assert await call("get_request_counts") == (0, 0)
+
+
+async def test_utility_failure_raises_utility_call_error(kind: str) -> None:
+    with trio.fail_after(30):
+        async with open_harness(kind) as harness:
+            with pytest.raises(UtilityCallError, match="no_such_utility"):
+                await harness.call("call_utility", "no_such_utility")
+            with pytest.raises(UtilityCallError, match="profiler is not running"):
+                await harness.call("profile", False)
+            assert await harness.call("is_sleeping") is False
+
+
+async def test_a_fatal_engine_error_raises_engine_dead_error(kind: str) -> None:
+    with trio.fail_after(30):
+        try:
+            async with open_harness(kind, enable_fault_injection=True) as harness:
+                await harness.add(request("victim", [1], 100_000))
+                await harness.get_output()
+                await harness.call("call_utility", "inject_fault")
+                with pytest.raises(EngineDeadError):
+                    while True:
+                        await harness.get_output()
+                with pytest.raises(EngineDeadError):
+                    await harness.add(request("after", [1], 3))
+        except EngineDeadError:
+            # Trio clients report the death again when their block exits (documented);
+            # blocking clients' close() does not raise.
+            assert kind.startswith("trio")
+        else:
+            assert not kind.startswith("trio")
+
+
+@pytest.mark.parametrize("kind", WITH_PROCESS)
+async def test_kill_9_of_the_engine_raises_engine_dead_error(kind: str) -> None:
+    with trio.fail_after(30):
+        try:
+            async with open_harness(kind) as harness:
+                await harness.add(request("victim", [1], 100_000))
+                await harness.get_output()
+                pid = harness.engine_pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises(EngineDeadError, match="signal 9"):
+                    while True:
+                        await harness.get_output()
+        except EngineDeadError:
+            assert kind.startswith("trio")
+
+
+async def test_clean_shutdown_leaves_no_process_or_fd(kind: str) -> None:
+    fds_before = open_fds()
+    with trio.fail_after(30):
+        async with open_harness(kind) as harness:
+            await harness.add(request("r", [1], 100_000))
+            await harness.get_output()
+            pid = harness.engine_pid
+        # Leaving with a request in flight: it is aborted, the engine stopped.
+    assert children_of_this_process() == []
+    if pid is not None:
+        assert not os.path.exists(f"/proc/{pid}")
+    assert open_fds() - fds_before == set()
+
+
+async def test_finished_outputs_carry_the_finish_reason(kind: str) -> None:
+    with trio.fail_after(30):
+        async with open_harness(kind) as harness:
+            await harness.add(request("stop", [5], 50, stop_token_ids=[9]))
+            outputs: list[Any] = []
+            while not outputs or outputs[-1].finish_reason is None:
+                outputs += (await harness.get_output()).outputs
+            assert [t for o in outputs for t in o.new_token_ids] == [6, 7, 8, 9]
+            assert outputs[-1].finish_reason is FinishReason.STOP
+            assert outputs[-1].stop_reason == 9

@@ -103,7 +103,10 @@ def open_engine_client(
     ``input_address`` and ``output_address`` it instead binds those addresses and
     attaches to engines started elsewhere (vLLM's ``client_addresses``), launching
     nothing and waiting for the ready message of each of the
-    ``config.data_parallel_size`` engines. With ``multiprocess=False`` the engine runs
+    ``config.data_parallel_size`` engines; an attached engine's death is detected when
+    it reports ``ENGINE_CORE_DEAD`` (there is no process to watch, so a ``kill -9``
+    of an attached engine goes unnoticed until a timeout of yours fires: put one around
+    calls that must not hang). With ``multiprocess=False`` the engine runs
     as a task of the client (:class:`~trio_enginecore.TrioInprocClient`): no process,
     no sockets.
 

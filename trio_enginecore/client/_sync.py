@@ -188,6 +188,12 @@ class SyncMPClient(EngineCoreClient):
     :class:`~trio_enginecore.errors.EngineDeadError`. After :meth:`close`, calls raise
     :class:`trio.ClosedResourceError`.
 
+    One documented difference from the Trio clients: leaving the ``with`` block (or
+    :meth:`close`) never raises, even if the engine died meanwhile; the death was
+    already reported to the calls it affected. A Trio client's ``async with`` block
+    raises ``EngineDeadError`` on exit in that case, because structured concurrency
+    surfaces background failures where the scope ends.
+
     Raises:
         EngineStartupError: from the constructor, as ``open_engine_client``.
     """

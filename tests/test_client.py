@@ -565,6 +565,23 @@ def _is_running(pid: int) -> bool:
     return state != "Z"
 
 
+async def test_cancelling_the_startup_stops_the_engine_and_returns_promptly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trio_enginecore.client._mp as mp
+
+    def slow_command(config: EngineConfig, address: str, **_: object) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    monkeypatch.setattr(mp, "engine_command", slow_command)
+    with trio.fail_after(10):
+        with trio.move_on_after(0.5) as scope:
+            async with open_engine_client(EngineConfig(), ready_timeout_s=30):
+                pass  # pragma: no cover
+        assert scope.cancelled_caught
+    assert children_of_this_process() == []
+
+
 async def test_statistics_snapshot_is_frozen_and_counts() -> None:
     with trio.fail_after(30):
         async with launched_client() as client:

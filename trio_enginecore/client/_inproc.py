@@ -168,13 +168,14 @@ class InprocClient(EngineCoreClient):
         if self._failure is not None:
             raise EngineDeadError(self._failure)
         if self._closed:
-            raise RuntimeError("the client is closed")
+            raise trio.ClosedResourceError("the engine client is closed")
 
     def _step(self) -> None:
         try:
             messages = self.core.step()
         except FatalEngineError as exc:
             self._failure = f"fatal engine error: {exc}"
+            self._inflight.clear()
             raise EngineDeadError(self._failure) from exc
         for message in messages.values():
             self._messages += 1

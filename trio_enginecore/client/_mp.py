@@ -187,25 +187,29 @@ class TrioMPClient(TrioClientBase):
         bound_output = self._output.bind(output_address)
         handshake: TrioSocket | None = None
         timeout = trio.CancelScope()
-        with trio.CancelScope() as scope:
-            self._startup_scope = scope
-            with trio.move_on_after(ready_timeout_s) as timeout:
-                if not attach:
-                    handshake = make_socket(self._ctx, zmq.ROUTER)
-                    handshake_address = handshake.bind(f"ipc://{self._ipc_dir}/handshake")
-                    for engine in self._engines:
-                        config = self.config.evolve(data_parallel_rank=engine.rank)
-                        await start_engine_process(
-                            engine, engine_command(config, handshake_address), nursery
-                        )
-                        nursery.start_soon(self._watch_process, engine)
-                    await self._handshake(handshake, bound_input, bound_output)
-                await self._wait_ready()
-                if handshake is not None:
-                    await self._wait_handshake_ready(handshake)
-        self._startup_scope = None
-        if handshake is not None:
-            handshake.close()
+        try:
+            with trio.CancelScope() as scope:
+                self._startup_scope = scope
+                with trio.move_on_after(ready_timeout_s) as timeout:
+                    if not attach:
+                        handshake = make_socket(self._ctx, zmq.ROUTER)
+                        handshake_address = handshake.bind(f"ipc://{self._ipc_dir}/handshake")
+                        for engine in self._engines:
+                            config = self.config.evolve(data_parallel_rank=engine.rank)
+                            await start_engine_process(
+                                engine, engine_command(config, handshake_address), nursery
+                            )
+                            nursery.start_soon(self._watch_process, engine)
+                        await self._handshake(handshake, bound_input, bound_output)
+                    await self._wait_ready()
+                    if handshake is not None:
+                        await self._wait_handshake_ready(handshake)
+        finally:
+            # Whatever ended the startup (success, timeout, an error, or the caller's
+            # cancellation), the handshake socket is not needed any more.
+            self._startup_scope = None
+            if handshake is not None:
+                handshake.close()
         if timeout.cancelled_caught or scope.cancelled_caught:
             raise await self._startup_error(ready_timeout_s, bool(timeout.cancelled_caught))
         nursery.start_soon(self._receive_loop)
@@ -304,8 +308,9 @@ class TrioMPClient(TrioClientBase):
             for sock in (self._input, self._output):
                 if sock is not None:
                     sock.close(linger=0)
-            # Every socket is closed with linger 0, so terminating cannot block.
-            self._ctx.term()
+            # destroy() also closes any socket a failed startup left behind, with linger
+            # 0, so terminating the context cannot block.
+            self._ctx.destroy(linger=0)
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
 

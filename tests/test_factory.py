@@ -1,0 +1,214 @@
+"""Client selection and the factory functions: open_engine_client and make_client."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_enginecore import (
+    EngineConfig,
+    EngineCoreClient,
+    EngineCoreRequest,
+    InprocClient,
+    SamplingParams,
+    SyncMPClient,
+    TrioInprocClient,
+    make_client,
+    open_engine_client,
+)
+from trio_enginecore.client import ClientKind, select_client_kind
+from trio_enginecore.engine import CounterModel
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 16) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id,
+        prompt,
+        None,
+        SamplingParams(max_tokens=max_tokens),
+        None,
+        0.0,
+        None,
+        None,
+        None,
+    )
+
+
+def children_of_this_process() -> list[int]:
+    me = str(os.getpid())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Field 4 is the parent pid; the command name (field 2) may contain spaces.
+            if stat.rsplit(")", 1)[1].split()[1] == me:
+                found.append(int(entry.name))
+    return found
+
+
+def generate(client: EngineCoreClient, request_id: str, prompt: list[int], n: int) -> list[int]:
+    """Run one request to completion through the blocking batch API."""
+    client.add_request(request(request_id, prompt, n))
+    tokens: list[int] = []
+    deadline = time.monotonic() + 20
+    while True:
+        assert time.monotonic() < deadline
+        for output in client.get_output().outputs:
+            assert output.request_id == request_id
+            tokens += output.new_token_ids
+            if output.finish_reason is not None:
+                return tokens
+
+
+# ------------------------------------------------------------------ selection
+
+
+@pytest.mark.parametrize(
+    ("multiprocess", "blocking", "kind"),
+    [
+        (True, False, ClientKind.TRIO_MP),
+        (False, False, ClientKind.TRIO_INPROC),
+        (True, True, ClientKind.SYNC_MP),
+        (False, True, ClientKind.INPROC),
+    ],
+)
+def test_select_client_kind(multiprocess: bool, blocking: bool, kind: ClientKind) -> None:
+    assert select_client_kind(EngineConfig(), multiprocess=multiprocess, blocking=blocking) is kind
+
+
+def test_client_kinds_name_the_client_classes() -> None:
+    assert {kind.value for kind in ClientKind} == {
+        "TrioMPClient",
+        "TrioInprocClient",
+        "SyncMPClient",
+        "InprocClient",
+    }
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_data_parallel_configurations_are_not_implemented_yet(
+    multiprocess: bool, blocking: bool
+) -> None:
+    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
+        select_client_kind(
+            EngineConfig(data_parallel_size=2), multiprocess=multiprocess, blocking=blocking
+        )
+
+
+def test_select_client_kind_takes_keywords_only() -> None:
+    with pytest.raises(TypeError):
+        select_client_kind(EngineConfig(), True, False)  # type: ignore[misc]
+
+
+# ---------------------------------------------------------- open_engine_client
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_open_engine_client_refuses_data_parallel_before_launching_anything(
+    multiprocess: bool,
+) -> None:
+    before = children_of_this_process()
+    with pytest.raises(NotImplementedError, match="data_parallel_size"):
+        open_engine_client(EngineConfig(data_parallel_size=2), multiprocess=multiprocess)
+    assert children_of_this_process() == before
+
+
+@pytest.mark.parametrize(
+    "addresses",
+    [
+        {"input_address": "ipc:///tmp/x"},
+        {"output_address": "ipc:///tmp/x"},
+        {"input_address": "ipc:///tmp/x", "output_address": "ipc:///tmp/y"},
+    ],
+)
+def test_an_inproc_client_cannot_attach_to_addresses(addresses: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="in-process"):
+        open_engine_client(multiprocess=False, **addresses)  # type: ignore[call-overload]
+
+
+def test_open_engine_client_launches_nothing_until_entered() -> None:
+    before = children_of_this_process()
+    manager = open_engine_client(EngineConfig())
+    assert children_of_this_process() == before
+    del manager
+
+
+async def test_open_engine_client_in_process_gives_a_working_trio_inproc_client() -> None:
+    before = children_of_this_process()
+    with trio.fail_after(20):
+        async with open_engine_client(multiprocess=False) as client:
+            assert isinstance(client, TrioInprocClient)
+            assert client.engine_pids == (None,)
+            tokens: list[int] = []
+            async with client.stream(request("r", [10], 5)) as outputs:
+                async for output in outputs:
+                    tokens += output.new_token_ids
+            assert tokens == CounterModel.expected_tokens([10], 5)
+            assert client.statistics().requests_in_flight == 0
+            assert children_of_this_process() == before  # no engine process
+
+
+async def test_open_engine_client_passes_its_options_to_the_inproc_client() -> None:
+    config = EngineConfig(max_loras=1)
+    with trio.fail_after(20):
+        async with open_engine_client(
+            config, multiprocess=False, client_index=3, max_pending_outputs=2
+        ) as client:
+            assert isinstance(client, TrioInprocClient)
+            assert client.config is config
+            assert client.client_index == 3
+            assert await client.get_supported_tasks() == ("generate",)
+
+
+# ------------------------------------------------------------------ make_client
+
+
+def test_make_client_in_process_takes_no_options() -> None:
+    with pytest.raises(TypeError, match="ready_timeout_s"):
+        make_client(multiprocess=False, ready_timeout_s=1)
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_make_client_refuses_data_parallel_before_launching_anything(
+    multiprocess: bool,
+) -> None:
+    before = children_of_this_process()
+    with pytest.raises(NotImplementedError, match="data_parallel_size"):
+        make_client(EngineConfig(data_parallel_size=2), multiprocess=multiprocess)
+    assert children_of_this_process() == before
+
+
+def test_make_client_in_process_gives_a_working_inproc_client() -> None:
+    config = EngineConfig()
+    before = children_of_this_process()
+    with make_client(config, multiprocess=False) as client:
+        assert isinstance(client, InprocClient)
+        assert client.config is config
+        assert generate(client, "r", [7], 6) == CounterModel.expected_tokens([7], 6)
+        assert client.statistics().requests_in_flight == 0
+        assert children_of_this_process() == before  # no engine process
+
+
+def test_make_client_defaults_to_a_working_sync_mp_client() -> None:
+    before = children_of_this_process()
+    with make_client(shutdown_timeout_s=5) as client:
+        assert isinstance(client, SyncMPClient)
+        engine_pid = client.engine_pids[0]
+        assert engine_pid is not None
+        assert engine_pid in children_of_this_process()
+        assert generate(client, "r", [7], 6) == CounterModel.expected_tokens([7], 6)
+        assert client.get_supported_tasks() == ("generate",)
+        assert client.statistics().requests_in_flight == 0
+    assert children_of_this_process() == before
+    with pytest.raises(trio.ClosedResourceError):
+        client.get_output()

@@ -31,6 +31,7 @@ from trio_enginecore import (
     SamplingParams,
     TrioMPClient,
     UtilityCallError,
+    connect_engine_client,
     open_engine_client,
 )
 from trio_enginecore.engine import CounterModel
@@ -579,6 +580,18 @@ async def test_cancelling_the_startup_stops_the_engine_and_returns_promptly(
             async with open_engine_client(EngineConfig(), ready_timeout_s=30):
                 pass  # pragma: no cover
         assert scope.cancelled_caught
+    assert children_of_this_process() == []
+
+
+async def test_connect_engine_client_runs_in_the_callers_nursery() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            client = await connect_engine_client(nursery, EngineConfig())
+            try:
+                assert await stream_tokens(client, request("n", [3], 3)) == [4, 5, 6]
+            finally:
+                await client.aclose()
+        # The nursery could exit: every task of the client ended with aclose().
     assert children_of_this_process() == []
 
 

@@ -12,6 +12,7 @@ from .client import (
     SyncMPClient as SyncMPClient,
     TrioInprocClient as TrioInprocClient,
     TrioMPClient as TrioMPClient,
+    connect_engine_client as connect_engine_client,
     make_client as make_client,
     open_engine_client as open_engine_client,
 )

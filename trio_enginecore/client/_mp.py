@@ -47,7 +47,7 @@ from ..serial import MsgpackDecoder, MsgpackEncoder
 from ._base import TrioClientBase, run_client
 from ._launch import EngineHandle, engine_command, private_ipc_dir, start_engine_process
 
-__all__ = ["TrioMPClient", "open_trio_mp_client"]
+__all__ = ["TrioMPClient", "connect_engine_client", "open_trio_mp_client"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
@@ -366,3 +366,44 @@ async def open_trio_mp_client(
 
     async with run_client(client, start) as running:
         yield running
+
+
+async def connect_engine_client(
+    nursery: trio.Nursery,
+    config: EngineConfig | None = None,
+    *,
+    input_address: str | None = None,
+    output_address: str | None = None,
+    ready_timeout_s: float = 60.0,
+    shutdown_timeout_s: float = 5.0,
+    max_pending_outputs: int = 64,
+    client_index: int = 0,
+) -> TrioMPClient:
+    """Start a :class:`TrioMPClient` whose background tasks run in ``nursery``.
+
+    The lower-level form of :func:`~trio_enginecore.open_engine_client` (as
+    trio-websocket's ``connect_websocket``), for code that manages its own nursery.
+    Returns once the engines are ready. The caller owns the client: ``await
+    client.aclose()`` when done, after which its tasks in ``nursery`` all end. If the
+    startup fails or is cancelled, everything started so far is cleaned up first.
+
+    Raises:
+        EngineStartupError: as :func:`~trio_enginecore.open_engine_client`.
+    """
+    client = TrioMPClient(
+        config if config is not None else EngineConfig(),
+        client_index=client_index,
+        max_pending_outputs=max_pending_outputs,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
+    try:
+        await client._start(  # pyright: ignore[reportPrivateUsage]
+            nursery,
+            input_address=input_address,
+            output_address=output_address,
+            ready_timeout_s=ready_timeout_s,
+        )
+    except BaseException:
+        await client.aclose()
+        raise
+    return client

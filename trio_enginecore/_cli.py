@@ -6,13 +6,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Literal
 
 from . import __version__
 from .config import MODELS, EngineConfig
-
-_NOT_BUILT = {
-    "bench": "the benchmark harness is not built yet",
-}
 
 _SERVE_DESCRIPTION = """\
 Run one reference EngineCore process. It speaks vLLM 0.33's engine-core protocol, so
@@ -155,6 +152,76 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _bench_parser(bench: argparse.ArgumentParser) -> None:
+    bench.description = (
+        "Measure the Trio client against a reference engine on this machine: throughput, "
+        "client CPU per token and per message, latency, utility round trip. The full "
+        "comparison with the asyncio and blocking baselines is `nox -s bench`."
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 64, 512],
+        metavar="C",
+        help="requests in flight at once; several values run in turn (default: 1 64 512)",
+    )
+    bench.add_argument("--tokens", type=int, default=64, help="tokens per request (default: 64)")
+    bench.add_argument(
+        "--step-time-s", type=float, default=0.0, help="simulated engine step time (default: 0)"
+    )
+    bench.add_argument(
+        "--duration-s", type=float, default=3.0, help="seconds per workload (default: 3)"
+    )
+    bench.add_argument(
+        "--mode",
+        choices=["batch", "stream", "both"],
+        default="both",
+        help="batch API (add_request/get_output), per-request streams, or both",
+    )
+    bench.add_argument("--model", choices=MODELS, default="counter", help="engine model")
+    bench.add_argument(
+        "--transport", choices=["ipc", "tcp"], default="ipc", help="ipc:// or loopback tcp://"
+    )
+    bench.add_argument(
+        "--utility-calls", type=int, default=200, help="utility round trips to time (default: 200)"
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="tiny sizes and 0.5 s per workload (a smoke test)"
+    )
+    bench.add_argument("--json", action="store_true", help="print the results as JSON too")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import json
+
+    import trio
+
+    from ._bench import format_table, run_cli_bench
+
+    if args.quick:
+        args.concurrency, args.duration_s, args.utility_calls = [1, 16], 0.5, 20
+    modes: list[Literal["batch", "stream"]] = (
+        ["batch", "stream"] if args.mode == "both" else [args.mode]
+    )
+    rows = trio.run(
+        lambda: run_cli_bench(
+            concurrency=args.concurrency,
+            tokens=args.tokens,
+            step_time_s=args.step_time_s,
+            duration_s=args.duration_s,
+            modes=modes,
+            model=args.model,
+            transport=args.transport,
+            utility_calls=args.utility_calls,
+        )
+    )
+    print(format_table(rows))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trio-enginecore",
@@ -171,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
-    commands.add_parser("bench", help="measure the client against baselines")
+    _bench_parser(commands.add_parser("bench", help="measure the Trio client on your machine"))
     return parser
 
 
@@ -222,16 +289,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _run_serve(parser, args)
-    if args.command == "demo":
-        import trio
+    if args.command == "bench":
+        return _run_bench(args)
+    import trio
 
-        from ._demo import run_demo
+    from ._demo import run_demo
 
-        trio.run(run_demo)
-        return 0
-    reason = _NOT_BUILT[args.command]
-    print(f"trio-enginecore {args.command}: not built yet ({reason}).", file=sys.stderr)
-    return 1
+    trio.run(run_demo)  # "demo", the only command left
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

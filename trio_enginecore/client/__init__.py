@@ -5,6 +5,7 @@ from __future__ import annotations
 from ._base import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
+    TrioClientBase as TrioClientBase,
 )
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
 from ._factory import (

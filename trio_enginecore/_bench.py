@@ -1,0 +1,294 @@
+"""Measuring the Trio client against a real engine (``trio-enginecore bench``).
+
+The workloads here drive a client that is already attached to (or launched with) an
+engine; they return plain dicts of figures so that the comparison harness in
+``benchmarks/`` can run the same workloads for its baselines and report ratios.
+CPU figures are the *client process's* CPU time (``time.process_time``), not wall time.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import statistics
+import sys
+import time
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Literal
+
+import trio
+
+from .client import TrioClientBase, open_engine_client
+from .client._launch import serve_arguments
+from .config import EngineConfig
+from .protocol import EngineCoreRequest, SamplingParams
+
+__all__ = [
+    "format_table",
+    "make_request",
+    "measure_generate",
+    "measure_utility_rtt",
+    "percentile",
+    "run_cli_bench",
+]
+
+Mode = Literal["batch", "stream"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def make_request(request_id: str, tokens: int, prompt_len: int = 8) -> EngineCoreRequest:
+    """A counter-model request producing exactly ``tokens`` tokens."""
+    prompt = [(hash(request_id) % 1000) + i for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, None)
+
+
+async def measure_generate(
+    client: TrioClientBase,
+    *,
+    concurrency: int,
+    tokens: int,
+    duration_s: float,
+    mode: Mode,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Closed loop: keep ``concurrency`` requests of ``tokens`` tokens in flight.
+
+    Runs for ``duration_s`` seconds; every request that finishes is replaced by a new
+    one. Requests still in flight at the deadline are aborted; only tokens received
+    before the deadline count.
+
+    Returns:
+        wall_s, client_cpu_s, requests (completed), output_tokens, messages,
+        latency_p50_s / latency_p99_s (request submitted -> finished), and the
+        derived tokens_per_s, requests_per_s, cpu_us_per_token, cpu_us_per_message.
+    """
+    latencies: list[float] = []
+    counter = 0
+    tokens_seen = 0
+    stats_before = client.statistics()
+    deadline = trio.current_time() + duration_s
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+
+    def next_id() -> str:
+        nonlocal counter
+        counter += 1
+        return f"bench-{counter}"
+
+    if mode == "stream":
+
+        async def worker() -> None:
+            nonlocal tokens_seen
+            while trio.current_time() < deadline:
+                request = make_request(next_id(), tokens)
+                started = trio.current_time()
+                async with client.stream(request) as outputs:
+                    async for output in outputs:
+                        tokens_seen += len(output.new_token_ids)
+                latencies.append(trio.current_time() - started)
+
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as nursery:
+                for _ in range(concurrency):
+                    nursery.start_soon(worker)
+                if progress:
+                    nursery.start_soon(_progress, lambda: tokens_seen, deadline, duration_s)
+    else:
+        started_at: dict[str, float] = {}
+        with trio.move_on_at(deadline):
+            for _ in range(concurrency):
+                request = make_request(next_id(), tokens)
+                started_at[request.request_id] = trio.current_time()
+                await client.add_request(request)
+            async with trio.open_nursery() as nursery:
+                if progress:
+                    nursery.start_soon(_progress, lambda: tokens_seen, deadline, duration_s)
+                while True:
+                    batch = await client.get_output()
+                    for output in batch.outputs:
+                        tokens_seen += len(output.new_token_ids)
+                        if output.finish_reason is not None:
+                            now = trio.current_time()
+                            latencies.append(now - started_at.pop(output.request_id))
+                            request = make_request(next_id(), tokens)
+                            started_at[request.request_id] = now
+                            await client.add_request(request)
+        await client.abort_requests(list(started_at))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    if mode == "stream":
+        await trio.lowlevel.checkpoint()
+    stats_after = client.statistics()
+    messages = stats_after.messages_received - stats_before.messages_received
+    return _summary(wall, cpu, len(latencies), tokens_seen, messages, latencies)
+
+
+def _summary(
+    wall: float, cpu: float, requests: int, tokens: int, messages: int, latencies: list[float]
+) -> dict[str, Any]:
+    return {
+        "wall_s": wall,
+        "client_cpu_s": cpu,
+        "requests": requests,
+        "output_tokens": tokens,
+        "messages": messages,
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p99_s": percentile(latencies, 99),
+        "tokens_per_s": tokens / wall if wall else math.nan,
+        "requests_per_s": requests / wall if wall else math.nan,
+        "cpu_us_per_token": 1e6 * cpu / tokens if tokens else math.nan,
+        "cpu_us_per_message": 1e6 * cpu / messages if messages else math.nan,
+    }
+
+
+async def measure_utility_rtt(client: TrioClientBase, *, calls: int) -> dict[str, Any]:
+    """Sequential ``is_sleeping`` round trips: p50/p99 latency and client CPU per call."""
+    samples: list[float] = []
+    cpu0 = time.process_time()
+    for _ in range(calls):
+        started = time.perf_counter()
+        await client.is_sleeping()
+        samples.append(time.perf_counter() - started)
+    cpu = time.process_time() - cpu0
+    return {
+        "calls": calls,
+        "rtt_p50_s": percentile(samples, 50),
+        "rtt_p99_s": percentile(samples, 99),
+        "rtt_mean_s": statistics.fmean(samples),
+        "cpu_us_per_call": 1e6 * cpu / calls,
+    }
+
+
+async def _progress(tokens: Any, deadline: float, duration_s: float) -> None:
+    width = 30
+    try:
+        while True:
+            left = max(0.0, deadline - trio.current_time())
+            done = int(width * (1 - left / duration_s)) if duration_s else width
+            bar = "#" * done + "." * (width - done)
+            print(f"\r  [{bar}] {tokens():>10,} tokens", end="", file=sys.stderr, flush=True)
+            await trio.sleep(0.25)
+    finally:
+        # The workload's deadline cancels this task: finish the line either way.
+        print(f"\r  [{'#' * width}] {tokens():>10,} tokens", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------ trio-enginecore bench
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def run_cli_bench(
+    *,
+    concurrency: list[int],
+    tokens: int,
+    step_time_s: float,
+    duration_s: float,
+    modes: list[Mode],
+    model: str,
+    transport: Literal["ipc", "tcp"],
+    utility_calls: int,
+) -> list[dict[str, Any]]:
+    """What ``trio-enginecore bench`` runs: one engine, each workload in turn."""
+    config = EngineConfig(
+        model=model, step_time_s=step_time_s, max_num_seqs=max(concurrency), max_model_len=8192
+    )
+    rows: list[dict[str, Any]] = []
+    async with _engine_client(config, transport) as client:
+        for c in concurrency:
+            for mode in modes:
+                print(f"{mode:>6} C={c:<5} T={tokens}", file=sys.stderr)
+                figures = await measure_generate(
+                    client,
+                    concurrency=c,
+                    tokens=tokens,
+                    duration_s=duration_s,
+                    mode=mode,
+                    progress=True,
+                )
+                rows.append({"workload": "generate", "mode": mode, "concurrency": c, **figures})
+        if utility_calls:
+            figures = await measure_utility_rtt(client, calls=utility_calls)
+            rows.append({"workload": "utility", **figures})
+    return rows
+
+
+def _engine_client(
+    config: EngineConfig, transport: str
+) -> AbstractAsyncContextManager[TrioClientBase]:
+    if transport == "ipc":
+        return open_engine_client(config)
+    return _tcp_engine_client(config)
+
+
+@asynccontextmanager
+async def _tcp_engine_client(config: EngineConfig) -> AsyncGenerator[TrioClientBase, None]:
+    """An engine on loopback TCP, attached (the ipc default launches it itself)."""
+    input_address = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    output_address = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    command = [
+        sys.executable,
+        "-m",
+        "trio_enginecore",
+        "serve",
+        "--exit-with-parent",
+        "--input-address",
+        input_address,
+        "--output-address",
+        output_address,
+        "--log-level",
+        "WARNING",
+        *serve_arguments(config),
+    ]
+    process = await trio.lowlevel.open_process(command)
+    try:
+        async with open_engine_client(
+            config, input_address=input_address, output_address=output_address
+        ) as client:
+            yield client
+    finally:
+        with trio.CancelScope(shield=True):
+            process.terminate()
+            with trio.move_on_after(5):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text summary table of ``run_cli_bench`` rows."""
+    lines = [
+        f"{'workload':<10}{'mode':<8}{'C':>6}{'tokens/s':>12}{'req/s':>9}"
+        f"{'CPU us/tok':>12}{'CPU us/msg':>12}{'p50 ms':>9}{'p99 ms':>9}"
+    ]
+    for row in rows:
+        if row["workload"] == "generate":
+            lines.append(
+                f"{'generate':<10}{row['mode']:<8}{row['concurrency']:>6}"
+                f"{row['tokens_per_s']:>12,.0f}{row['requests_per_s']:>9,.1f}"
+                f"{row['cpu_us_per_token']:>12.2f}{row['cpu_us_per_message']:>12.1f}"
+                f"{1e3 * row['latency_p50_s']:>9.1f}{1e3 * row['latency_p99_s']:>9.1f}"
+            )
+        else:
+            lines.append(
+                f"{'utility':<10}{'rtt':<8}{'':>6}{'':>12}{'':>9}"
+                f"{'':>12}{row['cpu_us_per_call']:>12.1f}"
+                f"{1e3 * row['rtt_p50_s']:>9.2f}{1e3 * row['rtt_p99_s']:>9.2f}"
+            )
+    return "\n".join(lines)

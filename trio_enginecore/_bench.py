@@ -8,7 +8,9 @@ CPU figures are the *client process's* CPU time (``time.process_time``), not wal
 
 from __future__ import annotations
 
+import gc
 import math
+import resource
 import socket
 import statistics
 import sys
@@ -27,7 +29,9 @@ from .protocol import EngineCoreRequest, SamplingParams
 __all__ = [
     "format_table",
     "make_request",
+    "measure_abort_latency",
     "measure_generate",
+    "measure_idle_streams",
     "measure_utility_rtt",
     "percentile",
     "run_cli_bench",
@@ -166,6 +170,73 @@ async def measure_utility_rtt(client: TrioClientBase, *, calls: int) -> dict[str
         "rtt_p99_s": percentile(samples, 99),
         "rtt_mean_s": statistics.fmean(samples),
         "cpu_us_per_call": 1e6 * cpu / calls,
+    }
+
+
+async def measure_abort_latency(client: TrioClientBase, *, samples: int) -> dict[str, Any]:
+    """Cancel a running stream; time until the engine reports the request gone.
+
+    Each sample opens a stream on a long request, receives one output, cancels the
+    stream's scope and polls ``get_request_counts`` until the engine holds nothing.
+    The figure therefore includes one utility round trip.
+    """
+    latencies: list[float] = []
+    for i in range(samples):
+        with trio.CancelScope() as scope:
+            async with client.stream(make_request(f"abort-{i}", 1_000_000)) as outputs:
+                await outputs.receive()
+                started = time.perf_counter()
+                scope.cancel()
+                await trio.lowlevel.checkpoint()
+        while await client.get_request_counts() != (0, 0):
+            pass
+        latencies.append(time.perf_counter() - started)
+    return {
+        "samples": samples,
+        "abort_p50_s": percentile(latencies, 50),
+        "abort_p99_s": percentile(latencies, 99),
+    }
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    return pages * resource.getpagesize()
+
+
+async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[str, Any]:
+    """Memory per open stream: ``streams`` streams waiting on a paused engine.
+
+    The engine's scheduler is paused (``keep``) so no stream receives anything; each
+    stream is a task blocked in ``receive()``. Reports the resident-memory growth of
+    this process divided by the number of streams (task, stream and bookkeeping).
+    """
+    await client.pause_scheduler("keep")
+    all_open = trio.Event()
+    opened = 0
+
+    async def hold(i: int) -> None:
+        nonlocal opened
+        async with client.stream(make_request(f"idle-{i}", 64)) as outputs:
+            opened += 1
+            if opened == streams:
+                all_open.set()
+            await outputs.receive()
+
+    gc.collect()
+    before = _rss_bytes()
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(hold, i)
+        await all_open.wait()
+        gc.collect()
+        after = _rss_bytes()
+        nursery.cancel_scope.cancel()
+    await client.resume_scheduler()
+    return {
+        "streams": streams,
+        "rss_growth_bytes": after - before,
+        "bytes_per_stream": (after - before) / streams,
     }
 
 

@@ -48,3 +48,13 @@ def demo(session: nox.Session) -> None:
     """Run the demo against the built-in reference engine."""
     session.install("-e", ".")
     session.run("trio-enginecore", "demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The side-by-side benchmark (Trio vs vLLM-style asyncio vs blocking pyzmq).
+
+    Writes benchmarks/results/results.{json,md,png}. Pass --quick for a smoke run.
+    """
+    session.install("-e", ".", *_group("bench"))
+    session.run("python", "-m", "benchmarks.run", *session.posargs)

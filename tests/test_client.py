@@ -28,34 +28,15 @@ from trio_enginecore import (
     EngineDeadError,
     EngineStartupError,
     FinishReason,
-    SamplingParams,
     TrioMPClient,
     UtilityCallError,
     connect_engine_client,
     open_engine_client,
 )
-from trio_enginecore.engine import CounterModel
 from trio_enginecore.protocol import LoRARequest
 
 from .enginepeer import serve_command
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int = 16) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id,
-        prompt,
-        None,
-        SamplingParams(max_tokens=max_tokens),
-        None,
-        0.0,
-        None,
-        None,
-        None,
-    )
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    return CounterModel.expected_tokens(prompt, n)
+from .support import children_of_this_process, expected, open_fds, process_is_running, request
 
 
 async def stream_tokens(client: TrioMPClient, req: EngineCoreRequest) -> list[int]:
@@ -64,25 +45,6 @@ async def stream_tokens(client: TrioMPClient, req: EngineCoreRequest) -> list[in
         async for output in outputs:
             tokens += output.new_token_ids
     return tokens
-
-
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
-def children_of_this_process() -> list[int]:
-    me = str(os.getpid())
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # Field 4 is the parent pid; the command name (field 2) may contain spaces.
-            if stat.rsplit(")", 1)[1].split()[1] == me:
-                found.append(int(entry.name))
-    return found
 
 
 def assert_idle(client: TrioMPClient) -> None:
@@ -554,16 +516,8 @@ async def test_an_engine_does_not_outlive_a_client_killed_with_sigkill() -> None
             assert Path(f"/proc/{engine_pid}").exists()
             process.kill()
         # The engine notices it was orphaned and exits on its own.
-        while _is_running(engine_pid):
+        while process_is_running(engine_pid):
             await trio.sleep(0.1)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 async def test_cancelling_the_startup_stops_the_engine_and_returns_promptly(

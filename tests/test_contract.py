@@ -40,7 +40,7 @@ from trio_enginecore.engine import CounterModel
 from trio_enginecore.protocol import LoRARequest
 
 from .enginepeer import serve_command
-from .test_client import children_of_this_process, open_fds
+from .support import children_of_this_process, open_fds
 
 KINDS = ["trio-launched", "trio-attached", "trio-inproc", "sync", "inproc-sync"]
 WITH_PROCESS = ["trio-launched", "sync"]

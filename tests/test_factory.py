@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 import trio
@@ -12,9 +10,7 @@ import trio
 from trio_enginecore import (
     EngineConfig,
     EngineCoreClient,
-    EngineCoreRequest,
     InprocClient,
-    SamplingParams,
     SyncMPClient,
     TrioInprocClient,
     make_client,
@@ -23,36 +19,9 @@ from trio_enginecore import (
 from trio_enginecore.client import ClientKind, select_client_kind
 from trio_enginecore.engine import CounterModel
 
+from .support import children_of_this_process, request
+
 pytestmark = pytest.mark.timeout(60)
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int = 16) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id,
-        prompt,
-        None,
-        SamplingParams(max_tokens=max_tokens),
-        None,
-        0.0,
-        None,
-        None,
-        None,
-    )
-
-
-def children_of_this_process() -> list[int]:
-    me = str(os.getpid())
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # Field 4 is the parent pid; the command name (field 2) may contain spaces.
-            if stat.rsplit(")", 1)[1].split()[1] == me:
-                found.append(int(entry.name))
-    return found
 
 
 def generate(client: EngineCoreClient, request_id: str, prompt: list[int], n: int) -> list[int]:

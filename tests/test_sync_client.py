@@ -23,39 +23,20 @@ import trio
 from trio_enginecore import (
     EngineConfig,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineDeadError,
     EngineStartupError,
     InprocClient,
     LoRARequest,
     ProtocolError,
-    SamplingParams,
     SyncMPClient,
     UtilityCallError,
 )
-from trio_enginecore.engine import CounterModel
+
+from .support import expected, request
 
 pytestmark = pytest.mark.timeout(60)
 
 THREAD_NAME = "trio-enginecore-client"
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int = 16) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id,
-        prompt,
-        None,
-        SamplingParams(max_tokens=max_tokens),
-        None,
-        0.0,
-        None,
-        None,
-        None,
-    )
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    return CounterModel.expected_tokens(prompt, n)
 
 
 def is_running(pid: int) -> bool:

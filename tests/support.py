@@ -1,0 +1,53 @@
+"""Small helpers shared by the client tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from trio_enginecore.engine import CounterModel
+from trio_enginecore.protocol import EngineCoreRequest, SamplingParams
+
+
+def request(
+    request_id: str, prompt: list[int], max_tokens: int = 16, **sampling: Any
+) -> EngineCoreRequest:
+    """A generation request with only the fields a test cares about."""
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
+    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, None)
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    """The tokens the counter model generates after ``prompt``."""
+    return CounterModel.expected_tokens(prompt, n)
+
+
+def open_fds() -> set[str]:
+    """This process's open file descriptors."""
+    return set(os.listdir("/proc/self/fd"))
+
+
+def children_of_this_process() -> list[int]:
+    """Pids of this process's live children, from /proc."""
+    me = str(os.getpid())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Field 4 is the parent pid; the command name (field 2) may contain spaces.
+            if stat.rsplit(")", 1)[1].split()[1] == me:
+                found.append(int(entry.name))
+    return found
+
+
+def process_is_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -565,8 +565,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
     """Payload of a ``UTILITY`` message: call ``method(*args)`` on the engine.
 
-    ``call_id`` is an unsigned 64-bit integer chosen by the client; the reply's
-    :attr:`UtilityOutput.call_id` repeats it.
+    ``call_id`` is an integer chosen by the client (vLLM's clients use an unsigned
+    64-bit one); the reply's :attr:`UtilityOutput.call_id` repeats it.
     """
 
     client_index: int

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import typing
+import warnings
 from collections.abc import Sequence
 from typing import Any, Final, Generic, TypeVar, cast, overload
 
@@ -147,9 +148,10 @@ class MsgpackDecoder(Generic[T]):
     Args:
         type: the expected message type, e.g. ``EngineCoreOutputs``; ``Any`` decodes
             untyped msgpack (arrays then stay as ``[dtype, shape, data]`` lists).
-        copy: if false (the default), decoded arrays are read-only views of the
-            received frames, which stay alive as long as the arrays do. If true,
-            arrays are private writable copies.
+        copy: if false (the default), decoded arrays are views of the received
+            frames (read-only for immutable frames: ``bytes`` and zmq frames), which
+            stay alive as long as the arrays do. If true, arrays are private writable
+            copies.
 
     Decoding never runs code named by the data: it only builds the types of the schema.
     """
@@ -198,8 +200,8 @@ class MsgpackDecoder(Generic[T]):
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"malformed msgpack payload: {exc}") from exc
         except Exception as exc:
-            # ValidationError (wrong type, bad value, refused extension...) and anything
-            # a hook or a __post_init__ raised: always one exception type for callers.
+            # Anything a hook or a __post_init__ raised that msgspec did not wrap:
+            # callers always get one exception type.
             raise ProtocolError(f"invalid {self._type_name()} message: {exc}") from exc
         finally:
             self._frames = ()
@@ -262,8 +264,11 @@ class MsgpackDecoder(Generic[T]):
                 raise ValueError(f"unknown tensor dtype {name!r}")
             name = numpy_name
         try:
-            dtype = np.dtype(name)
-        except (TypeError, ValueError, SyntaxError) as exc:
+            with warnings.catch_warnings():
+                # A deprecated alias ("a") is refused, not merely warned about.
+                warnings.simplefilter("error")
+                dtype = np.dtype(name)
+        except (TypeError, ValueError, SyntaxError, Warning) as exc:
             raise ValueError(f"invalid array dtype {name!r}") from exc
         if dtype.kind in _FORBIDDEN_DTYPE_KINDS or dtype.hasobject or dtype.itemsize == 0:
             raise ValueError(f"array dtype {name!r} is not allowed on the wire")

@@ -182,6 +182,7 @@ async def measure_abort_latency(client: TrioClientBase, *, samples: int) -> dict
     """
     latencies: list[float] = []
     for i in range(samples):
+        started = time.perf_counter()
         with trio.CancelScope() as scope:
             async with client.stream(make_request(f"abort-{i}", 1_000_000)) as outputs:
                 await outputs.receive()

@@ -371,7 +371,13 @@ class TrioClientBase(AsyncEngineCoreClient):
                         await self.abort_requests([request.request_id])
 
     def _stream_closed(self, stream: RequestStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
+        # While the request is in flight the stream stays registered, so that its
+        # late outputs reach the (closed) stream and are dropped there instead of
+        # leaking into get_output(); finishing or aborting unregisters it.
+        if (
+            self._streams.get(stream.request_id) is stream
+            and stream.request_id not in self._inflight
+        ):
             del self._streams[stream.request_id]
 
     # ------------------------------------------------------------- utilities

@@ -70,14 +70,31 @@ def merge_outputs(older: EngineCoreOutput, newer: EngineCoreOutput) -> EngineCor
     return older
 
 
-class BatchCollector:
-    """Whole engine messages waiting for ``get_output()``, merged past a bound.
+def _absorb(into: EngineCoreOutputs, newer: EngineCoreOutputs) -> None:
+    """Fold ``newer`` (of the same engine) into ``into``, keeping output order."""
+    into.outputs.extend(newer.outputs)
+    if newer.scheduler_stats is not None:
+        into.scheduler_stats = newer.scheduler_stats
+    if newer.finished_requests:
+        into.finished_requests = (into.finished_requests or set()) | newer.finished_requests
+    into.timestamp = newer.timestamp
+    for name in ("wave_complete", "start_wave", "weight_version"):
+        value = getattr(newer, name)
+        if value is not None:
+            setattr(into, name, value)
 
-    Up to ``max_pending`` messages are kept as they arrived. Past that the newest
-    pending message of the same engine absorbs the next one (outputs concatenated in
-    order; the latest scheduler stats, wave and weight-version fields kept), so the
-    receive task never waits and no output is ever dropped; a consumer that falls
-    behind simply gets bigger batches.
+
+class BatchCollector:
+    """Whole engine messages waiting for ``get_output()``; never blocks, never drops.
+
+    A consumer that keeps up receives each message as the engine sent it. One that
+    falls behind receives, per call, the whole backlog of one engine folded into a
+    single message (outputs in arrival order; the latest scheduler stats, wave and
+    weight-version fields kept), so catching up costs one call, not one per message.
+    Past ``max_pending`` messages, new ones are folded into the newest pending message
+    of the same engine as they arrive, so the number of message objects held stays
+    bounded; the outputs themselves are bounded only by what the engine produced and
+    nobody consumed yet.
     """
 
     def __init__(self, max_pending: int = 64) -> None:
@@ -102,16 +119,7 @@ class BatchCollector:
         if last is None:
             self._pending.append(outputs)
             return
-        last.outputs.extend(outputs.outputs)
-        if outputs.scheduler_stats is not None:
-            last.scheduler_stats = outputs.scheduler_stats
-        if outputs.finished_requests:
-            last.finished_requests = (last.finished_requests or set()) | outputs.finished_requests
-        last.timestamp = outputs.timestamp
-        for name in ("wave_complete", "start_wave", "weight_version"):
-            value = getattr(outputs, name)
-            if value is not None:
-                setattr(last, name, value)
+        _absorb(last, outputs)
         self.merged += 1
 
     def discard(self, request_ids: set[str]) -> None:
@@ -127,5 +135,24 @@ class BatchCollector:
         self._pending = kept
 
     def take(self) -> EngineCoreOutputs | None:
-        """The oldest pending message, or None."""
-        return self._pending.popleft() if self._pending else None
+        """Everything pending from the oldest message's engine, as one message; or None.
+
+        A consumer that keeps up gets messages exactly as the engine sent them; one that
+        fell behind gets the backlog of an engine in one go (outputs in arrival order),
+        which keeps the cost per call flat and the backlog short.
+        """
+        if not self._pending:
+            return None
+        first = self._pending.popleft()
+        if not self._pending:
+            return first
+        engine = first.engine_index
+        rest: collections.deque[EngineCoreOutputs] = collections.deque()
+        while self._pending:
+            message = self._pending.popleft()
+            if message.engine_index == engine:
+                _absorb(first, message)
+            else:
+                rest.append(message)
+        self._pending = rest
+        return first

@@ -54,6 +54,8 @@ logger = logging.getLogger("trio_enginecore.client")
 _ADD: Final = EngineCoreRequestType.ADD.value
 _ABORT: Final = EngineCoreRequestType.ABORT.value
 _UTILITY: Final = EngineCoreRequestType.UTILITY.value
+_MAX_DRAIN_MESSAGES: Final = 256
+_DRAIN_OUTPUTS: Final = 2048
 
 
 @final
@@ -123,15 +125,24 @@ class TrioMPClient(TrioClientBase):
     async def _receive_loop(self) -> None:
         sock = self._output
         assert sock is not None
+        budget = _MAX_DRAIN_MESSAGES
         while True:
             try:
-                batch = await sock.drain()
+                batch = await sock.drain(budget)
             except trio.ClosedResourceError:
                 if self._closing:
                     return  # aclose() closed the socket under us: the normal way out
                 raise
+            before = self._outputs_received
             for frames in batch:
                 self._handle_message(frames)
+            # Decode about _DRAIN_OUTPUTS outputs per batch, however they are packed:
+            # many small messages amortise the wake-up, while a few big ones are handed
+            # to readers before the next batch. Decoding far ahead of the readers keeps
+            # many young objects alive and costs more in garbage collection than it saves
+            # (measured: 3.4k -> 8k messages/s of 256 outputs).
+            per_message = max(1, (self._outputs_received - before) // len(batch))
+            budget = max(1, min(_MAX_DRAIN_MESSAGES, _DRAIN_OUTPUTS // per_message))
 
     def _handle_message(self, frames: Frames) -> None:
         if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:

@@ -236,6 +236,7 @@ class TrioClientBase(AsyncEngineCoreClient):
         self._messages = 0
         self._outputs_received = 0
         self._tokens = 0
+        self._batched_outputs = 0
         self._protocol_errors = 0
 
     # ------------------------------------------------------- transport hooks
@@ -496,6 +497,7 @@ class TrioClientBase(AsyncEngineCoreClient):
         if batch or message.scheduler_stats is not None:
             if batch is not outputs:
                 message.outputs = batch
+            self._batched_outputs += len(batch)
             self._batches.put(message)
             self._wake_batch_readers()
 

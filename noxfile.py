@@ -1,6 +1,6 @@
 """Developer sessions for trio-enginecore.
 
-A bare ``nox`` runs the default set: lint, typecheck and tests. ``nox -l`` lists
+A bare ``nox`` runs the default set: lint, typecheck, tests and docs. ``nox -l`` lists
 every session with its description.
 """
 
@@ -11,7 +11,7 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "docs"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 
@@ -41,6 +41,18 @@ def typecheck(session: nox.Session) -> None:
     session.install("-e", ".", *_group("typecheck"))
     session.run("mypy", "trio_enginecore", "noxfile.py")
     session.run("pyright", "trio_enginecore")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation with Sphinx; any warning (a broken reference too) fails it.
+
+    Writes docs/_build/html. The tutorials' programs are run by the tests session.
+    """
+    session.install("-e", ".", *_group("docs"))
+    session.run(
+        "sphinx-build", "-E", "-W", "--keep-going", "-n", "-b", "html", "docs", "docs/_build/html"
+    )
 
 
 @nox.session

@@ -1,0 +1,97 @@
+"""Sync and in-process clients: the same engine from threads, and without a process."""
+
+import threading
+import time
+
+import trio
+
+from trio_enginecore import (
+    EngineConfig,
+    EngineCoreClient,
+    EngineCoreRequest,
+    SamplingParams,
+    SyncMPClient,
+    make_client,
+    open_engine_client,
+)
+from trio_enginecore.engine import CounterModel
+
+CONFIG = EngineConfig(model="counter")
+
+
+def counting_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
+
+
+def collect(client: EngineCoreClient, request_ids: set[str]) -> dict[str, list[int]]:
+    """Read outputs with get_output() until these requests have finished."""
+    token_ids: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    unfinished = set(request_ids)
+    while unfinished:
+        for output in client.get_output().outputs:
+            token_ids[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                unfinished.discard(output.request_id)
+    return token_ids
+
+
+def sync_client_from_threads() -> None:
+    print("1. SyncMPClient, called from plain threads")
+    with SyncMPClient(CONFIG) as client:
+        print(f"   engine pid {client.engine_pids[0]}")
+
+        def submit(thread_number: int) -> None:
+            prompt = [100 * thread_number]
+            client.add_request(counting_request(f"thread-{thread_number}", prompt, 4))
+
+        threads = [threading.Thread(target=submit, args=(n,)) for n in (1, 2, 3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+        # One reader: each message goes to exactly one get_output() caller.
+        results = collect(client, {"thread-1", "thread-2", "thread-3"})
+        for request_id, tokens in sorted(results.items()):
+            print(f"   {request_id}: {tokens}")
+        print(f"   engine counts (waiting, running): {client.get_request_counts()}")
+
+
+def blocking_in_process() -> None:
+    print("2. make_client(multiprocess=False): InprocClient, no process, no thread")
+    with make_client(CONFIG, multiprocess=False) as client:
+        print(f"   client class: {type(client).__name__}")
+        prompt = [7, 8, 9]
+        client.add_request(counting_request("inproc", prompt, 5))
+        # Each get_output() call runs one engine step in this thread.
+        tokens = collect(client, {"inproc"})["inproc"]
+        expected = CounterModel.expected_tokens(prompt, 5)
+        print(f"   tokens {tokens}, as the counter model predicts: {tokens == expected}")
+        print(f"   idle engine: get_output() returns {len(client.get_output().outputs)} outputs")
+
+
+async def trio_in_process() -> None:
+    print("3. open_engine_client(multiprocess=False): TrioInprocClient")
+    async with open_engine_client(CONFIG, multiprocess=False) as client:
+        print(f"   client class: {type(client).__name__}, engine pids: {client.engine_pids}")
+        token_ids: list[int] = []
+        async with client.stream(counting_request("trio-inproc", [41], 3)) as outputs:
+            async for output in outputs:
+                token_ids.extend(output.new_token_ids)
+        print(f"   streamed {token_ids}")
+
+
+if __name__ == "__main__":
+    sync_client_from_threads()
+    blocking_in_process()
+    trio.run(trio_in_process)

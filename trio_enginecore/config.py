@@ -61,12 +61,12 @@ class EngineConfig:
     """
 
     model: str = attrs.field(default="counter", validator=_model_name)
-    """The built-in model: ``"counter"`` (each token is the previous one plus one, modulo
-    the vocabulary; for tests) or ``"ngram"`` (a small byte-level language model whose
-    sampling parameters have real, seeded effects; for demos)."""
+    """Which built-in model to serve, ``"counter"`` (each token is the previous one plus
+    one, modulo the vocabulary; for tests) or ``"ngram"`` (a small byte-level language
+    model whose sampling parameters have real, seeded effects; for demos)."""
 
     vocab_size: int | None = attrs.field(default=None, validator=_optional_positive_int)
-    """Vocabulary size; ``None`` uses the model's own (counter: 32000, ngram: 257)."""
+    """Vocabulary size; ``None`` uses the model's own (32000 for counter, 257 for ngram)."""
 
     max_num_seqs: int = attrs.field(default=256, validator=_positive_int)
     """How many requests run in one step; the rest wait their turn."""

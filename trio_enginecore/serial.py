@@ -45,7 +45,7 @@ __all__ = [
 T = TypeVar("T")
 
 Buffer = bytes | bytearray | memoryview
-"""Anything that can be a frame: ``bytes``, ``bytearray`` or a ``memoryview``."""
+"""Anything that can be a frame (``bytes``, ``bytearray`` or a ``memoryview``)."""
 
 DEFAULT_SIZE_THRESHOLD: Final = 256
 """Arrays with fewer bytes than this are inlined in the payload (vLLM's default)."""

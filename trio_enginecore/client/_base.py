@@ -304,9 +304,10 @@ class TrioClientBase(AsyncEngineCoreClient):
     async def get_output(self) -> EngineCoreOutputs:
         """The next engine message with outputs of requests added by :meth:`add_request`.
 
-        Outputs of streamed requests are not delivered here. If this is called less
-        often than the engine steps, pending messages are merged past
-        ``max_pending_outputs`` (no output is ever dropped).
+        Outputs of streamed requests are not delivered here. A caller that keeps up
+        gets each engine message as it was sent; one that fell behind gets an engine's
+        whole backlog folded into one message, outputs in arrival order (no output is
+        ever dropped).
 
         Raises:
             EngineDeadError: the engine died and no output is pending.

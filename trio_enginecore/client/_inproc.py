@@ -62,7 +62,7 @@ class TrioInprocClient(TrioClientBase):
 
     @property
     def engine_pids(self) -> tuple[int | None, ...]:
-        """Always ``(None,)``: the engine runs in this process."""
+        """Always ``(None,)``, since the engine runs in this process."""
         return (None,)
 
     # The inbox decouples callers from the engine loop: the core is only touched by

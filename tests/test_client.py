@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from trio_enginecore import (
     EngineConfig,
@@ -236,6 +237,39 @@ async def test_abort_requests_ends_a_stream_with_abort() -> None:
                 assert last is not None
                 assert last.finish_reason is FinishReason.ABORT
             assert await client.get_request_counts() == (0, 0)
+            assert_idle(client)
+
+
+async def test_add_requests_sends_a_batch_with_one_checkpoint() -> None:
+    prompts = {f"m{i}": [i * 3 + 1] for i in range(50)}
+    with trio.fail_after(30):
+        async with launched_client() as client:
+            with trio.testing.assert_checkpoints():
+                await client.add_requests(request(rid, p, 5) for rid, p in prompts.items())
+            tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+            while client.statistics().requests_in_flight:
+                for output in (await client.get_output()).outputs:
+                    tokens[output.request_id] += output.new_token_ids
+            assert_idle(client)
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == expected(prompt, 5)
+
+
+async def test_add_requests_is_all_or_nothing() -> None:
+    with trio.fail_after(30):
+        async with launched_client(step_time_s=0.01) as client:
+            await client.add_requests([request("a", [1], 100_000)])
+            with pytest.raises(ValueError, match="duplicate"):
+                await client.add_requests([request("x", [1], 5), request("x", [1], 5)])
+            with pytest.raises(ValueError, match="in flight"):
+                await client.add_requests([request("y", [1], 5), request("a", [1], 5)])
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await client.add_requests([request("z", [1], 5)])
+            # Only "a" was ever sent: the engine holds exactly one request.
+            assert client.statistics().requests_in_flight == 1
+            assert sum(await client.get_request_counts()) == 1
+            await client.abort_requests(["a"])
             assert_idle(client)
 
 

@@ -120,6 +120,7 @@ async def measure_generate(
                     nursery.start_soon(_progress, lambda: tokens_seen, deadline, duration_s)
                 while True:
                     batch = await client.get_output()
+                    replacements: list[EngineCoreRequest] = []
                     for output in batch.outputs:
                         tokens_seen += len(output.new_token_ids)
                         if output.finish_reason is not None:
@@ -127,7 +128,9 @@ async def measure_generate(
                             latencies.append(now - started_at.pop(output.request_id))
                             request = make_request(next_id(), tokens)
                             started_at[request.request_id] = now
-                            await client.add_request(request)
+                            replacements.append(request)
+                    if replacements:
+                        await client.add_requests(replacements)
         await client.abort_requests(list(started_at))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     if mode == "stream":

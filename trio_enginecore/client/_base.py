@@ -86,6 +86,11 @@ class AsyncEngineCoreClient(abc.ABC):
     async def add_request(self, request: EngineCoreRequest) -> None:
         """Submit a request; its outputs arrive through :meth:`get_output`."""
 
+    async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        """Submit several requests, as :meth:`add_request` does for one."""
+        for request in requests:
+            await self.add_request(request)
+
     @abc.abstractmethod
     async def get_output(self) -> EngineCoreOutputs:
         """The next engine message with outputs of requests from :meth:`add_request`."""
@@ -245,6 +250,10 @@ class TrioClientBase(AsyncEngineCoreClient):
     async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
         """Deliver an ADD; atomic with respect to cancellation."""
 
+    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        """Deliver an ADD without checkpointing; raise trio.WouldBlock if it cannot."""
+        raise trio.WouldBlock
+
     @abc.abstractmethod
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         """Deliver an ABORT without blocking or checkpointing."""
@@ -300,6 +309,43 @@ class TrioClientBase(AsyncEngineCoreClient):
             trio.ClosedResourceError: the client is shutting down.
         """
         await self._send_add(request, stream=None)
+
+    async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        """Send several requests with a single checkpoint.
+
+        Cheaper than one :meth:`add_request` per request when many are ready at once
+        (say, every request that finished in the last step being replaced): the sends
+        go out back to back instead of one per scheduler tick. All-or-nothing with
+        respect to cancellation: if it raises ``Cancelled``, none was sent.
+
+        Raises:
+            ValueError: two requests share an id, or one is already in flight; then
+                none was sent.
+            EngineDeadError: the engine has died.
+            trio.ClosedResourceError: the client is shutting down.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._raise_if_unusable()
+        batch = list(requests)
+        ids = [request.request_id for request in batch]
+        if len(set(ids)) != len(ids) or any(i in self._inflight for i in ids):
+            raise ValueError("duplicate request ids, or requests already in flight")
+        pending = list(batch)
+        while pending:
+            request = pending[0]
+            engine = self._engine_for(request)
+            request.client_index = self.client_index
+            self._inflight[request.request_id] = engine
+            try:
+                self._transport_add_nowait(engine, request)
+            except trio.WouldBlock:
+                # Not with the unbounded queues the clients use; go the slow way.
+                del self._inflight[request.request_id]
+                for rest in pending:
+                    await self._send_add(rest, stream=None)
+                return
+            pending.pop(0)
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def get_output(self) -> EngineCoreOutputs:
         """The next engine message with outputs of requests added by :meth:`add_request`.

@@ -75,6 +75,9 @@ class TrioInprocClient(TrioClientBase):
         self._post(lambda: self.core.add_request(request))
         await trio.lowlevel.cancel_shielded_checkpoint()
 
+    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        self._post(lambda: self.core.add_request(request))
+
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         self._post(lambda: self.core.abort_requests(request_ids))
 

@@ -103,6 +103,10 @@ class TrioMPClient(TrioClientBase):
         frames = [engine.identity, _ADD, *self._encoder.encode(request)]
         await self._sock_in().send_multipart(frames)
 
+    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        frames = [engine.identity, _ADD, *self._encoder.encode(request)]
+        self._sock_in().send_multipart_nowait(frames)
+
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         try:
             self._sock_in().send_multipart_nowait(

@@ -27,6 +27,7 @@ from .config import EngineConfig
 from .protocol import EngineCoreRequest, SamplingParams
 
 __all__ = [
+    "abort_summary",
     "format_table",
     "make_request",
     "measure_abort_latency",
@@ -34,7 +35,9 @@ __all__ = [
     "measure_idle_streams",
     "measure_utility_rtt",
     "percentile",
+    "rss_bytes",
     "run_cli_bench",
+    "utility_summary",
 ]
 
 Mode = Literal["batch", "stream"]
@@ -166,13 +169,17 @@ async def measure_utility_rtt(client: TrioClientBase, *, calls: int) -> dict[str
         started = time.perf_counter()
         await client.is_sleeping()
         samples.append(time.perf_counter() - started)
-    cpu = time.process_time() - cpu0
+    return utility_summary(samples, time.process_time() - cpu0)
+
+
+def utility_summary(samples: list[float], cpu_s: float) -> dict[str, Any]:
+    """The figures of a utility round-trip run (shared with the baselines)."""
     return {
-        "calls": calls,
+        "calls": len(samples),
         "rtt_p50_s": percentile(samples, 50),
         "rtt_p99_s": percentile(samples, 99),
-        "rtt_mean_s": statistics.fmean(samples),
-        "cpu_us_per_call": 1e6 * cpu / calls,
+        "rtt_mean_s": statistics.fmean(samples) if samples else math.nan,
+        "cpu_us_per_call": 1e6 * cpu_s / len(samples) if samples else math.nan,
     }
 
 
@@ -195,14 +202,20 @@ async def measure_abort_latency(client: TrioClientBase, *, samples: int) -> dict
         while await client.get_request_counts() != (0, 0):
             pass
         latencies.append(time.perf_counter() - started)
+    return abort_summary(latencies)
+
+
+def abort_summary(latencies: list[float]) -> dict[str, Any]:
+    """The figures of an abort-latency run (shared with the baselines)."""
     return {
-        "samples": samples,
+        "samples": len(latencies),
         "abort_p50_s": percentile(latencies, 50),
         "abort_p99_s": percentile(latencies, 99),
     }
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident memory, from /proc."""
     with open("/proc/self/statm") as statm:
         pages = int(statm.read().split()[1])
     return pages * resource.getpagesize()
@@ -228,13 +241,13 @@ async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[
             await outputs.receive()
 
     gc.collect()
-    before = _rss_bytes()
+    before = rss_bytes()
     async with trio.open_nursery() as nursery:
         for i in range(streams):
             nursery.start_soon(hold, i)
         await all_open.wait()
         gc.collect()
-        after = _rss_bytes()
+        after = rss_bytes()
         nursery.cancel_scope.cancel()
     await client.resume_scheduler()
     return {

@@ -32,8 +32,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
-import resource
-import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,7 +40,13 @@ from typing import Any, Final, cast
 import zmq
 import zmq.asyncio
 
-from trio_enginecore._bench import make_request, percentile
+from trio_enginecore._bench import (
+    abort_summary,
+    make_request,
+    percentile,
+    rss_bytes,
+    utility_summary,
+)
 from trio_enginecore.errors import EngineDeadError, ProtocolError
 from trio_enginecore.protocol import (
     ENGINE_CORE_DEAD,
@@ -350,14 +354,7 @@ async def measure_utility_rtt(client: AsyncMPClient, *, calls: int) -> dict[str,
         started = time.perf_counter()
         await client.call_utility_async("is_sleeping")
         samples.append(time.perf_counter() - started)
-    cpu = time.process_time() - cpu0
-    return {
-        "calls": calls,
-        "rtt_p50_s": percentile(samples, 50),
-        "rtt_p99_s": percentile(samples, 99),
-        "rtt_mean_s": statistics.fmean(samples),
-        "cpu_us_per_call": 1e6 * cpu / calls,
-    }
+    return utility_summary(samples, time.process_time() - cpu0)
 
 
 async def measure_abort_latency(client: AsyncMPClient, *, samples: int) -> dict[str, Any]:
@@ -381,17 +378,7 @@ async def measure_abort_latency(client: AsyncMPClient, *, samples: int) -> dict[
         while list(await client.call_utility_async("get_request_counts")) != [0, 0]:
             pass
         latencies.append(time.perf_counter() - started)
-    return {
-        "samples": samples,
-        "abort_p50_s": percentile(latencies, 50),
-        "abort_p99_s": percentile(latencies, 99),
-    }
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        pages = int(statm.read().split()[1])
-    return pages * resource.getpagesize()
+    return abort_summary(latencies)
 
 
 async def measure_idle_streams(client: AsyncMPClient, *, streams: int) -> dict[str, Any]:
@@ -434,11 +421,11 @@ async def measure_idle_streams(client: AsyncMPClient, *, streams: int) -> dict[s
     dispatch_task = asyncio.create_task(dispatcher())
     await asyncio.sleep(0)
     gc.collect()
-    before = _rss_bytes()
+    before = rss_bytes()
     tasks = [asyncio.create_task(hold(i)) for i in range(streams)]
     await all_open.wait()
     gc.collect()
-    after = _rss_bytes()
+    after = rss_bytes()
     ids = list(collectors)
     for task in tasks:
         task.cancel()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -24,7 +23,12 @@ from typing import Any, Final, cast
 
 import zmq
 
-from trio_enginecore._bench import make_request, percentile
+from trio_enginecore._bench import (
+    abort_summary,
+    make_request,
+    percentile,
+    utility_summary,
+)
 from trio_enginecore.errors import EngineDeadError, EngineStartupError, UtilityCallError
 from trio_enginecore.protocol import (
     ENGINE_CORE_DEAD,
@@ -252,14 +256,7 @@ def measure_utility_rtt(client: BlockingClient, *, calls: int) -> dict[str, Any]
         started = time.perf_counter()
         client.call_utility("is_sleeping")
         samples.append(time.perf_counter() - started)
-    cpu = time.process_time() - cpu0
-    return {
-        "calls": calls,
-        "rtt_p50_s": percentile(samples, 50),
-        "rtt_p99_s": percentile(samples, 99),
-        "rtt_mean_s": statistics.fmean(samples),
-        "cpu_us_per_call": 1e6 * cpu / calls,
-    }
+    return utility_summary(samples, time.process_time() - cpu0)
 
 
 def measure_abort_latency(
@@ -283,11 +280,7 @@ def measure_abort_latency(
         while list(client.call_utility("get_request_counts")) != [0, 0]:
             pass
         latencies.append(time.perf_counter() - started)
-    return {
-        "samples": samples,
-        "abort_p50_s": percentile(latencies, 50),
-        "abort_p99_s": percentile(latencies, 99),
-    }
+    return abort_summary(latencies)
 
 
 # ------------------------------------------------------------------------ driver

@@ -55,23 +55,42 @@ def test_select_client_kind(multiprocess: bool, blocking: bool, kind: ClientKind
 
 
 def test_client_kinds_name_the_client_classes() -> None:
+    import trio_enginecore.client as client_module
+
     assert {kind.value for kind in ClientKind} == {
         "TrioMPClient",
+        "DPLBTrioMPClient",
         "TrioInprocClient",
         "SyncMPClient",
         "InprocClient",
     }
+    for kind in ClientKind:
+        assert hasattr(client_module, kind.value)
 
 
-@pytest.mark.parametrize("blocking", [False, True])
-@pytest.mark.parametrize("multiprocess", [False, True])
-def test_data_parallel_configurations_are_not_implemented_yet(
+def test_data_parallel_with_internal_load_balancing_selects_the_dplb_client() -> None:
+    config = EngineConfig(data_parallel_size=2)
+    kind = select_client_kind(config, multiprocess=True, blocking=False)
+    assert kind is ClientKind.DPLB_TRIO_MP
+    assert kind.value == "DPLBTrioMPClient"
+
+
+@pytest.mark.parametrize(
+    ("multiprocess", "blocking"), [(False, False), (True, True), (False, True)]
+)
+def test_data_parallel_is_trio_multiprocess_only_for_now(
     multiprocess: bool, blocking: bool
 ) -> None:
     with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
         select_client_kind(
             EngineConfig(data_parallel_size=2), multiprocess=multiprocess, blocking=blocking
         )
+
+
+def test_external_load_balancing_needs_the_coordinator() -> None:
+    config = EngineConfig(data_parallel_size=2, data_parallel_external_lb=True)
+    with pytest.raises(NotImplementedError, match="coordinator"):
+        select_client_kind(config, multiprocess=True, blocking=False)
 
 
 def test_select_client_kind_takes_keywords_only() -> None:
@@ -82,13 +101,12 @@ def test_select_client_kind_takes_keywords_only() -> None:
 # ---------------------------------------------------------- open_engine_client
 
 
-@pytest.mark.parametrize("multiprocess", [False, True])
-def test_open_engine_client_refuses_data_parallel_before_launching_anything(
-    multiprocess: bool,
-) -> None:
+def test_open_engine_client_refuses_unsupported_data_parallel_before_launching_anything() -> None:
     before = children_of_this_process()
     with pytest.raises(NotImplementedError, match="data_parallel_size"):
-        open_engine_client(EngineConfig(data_parallel_size=2), multiprocess=multiprocess)
+        open_engine_client(EngineConfig(data_parallel_size=2), multiprocess=False)
+    with pytest.raises(NotImplementedError, match="coordinator"):
+        open_engine_client(EngineConfig(data_parallel_size=2, data_parallel_external_lb=True))
     assert children_of_this_process() == before
 
 

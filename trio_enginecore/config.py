@@ -94,6 +94,10 @@ class EngineConfig:
     data_parallel_size: int = attrs.field(default=1, validator=_positive_int)
     """Number of data-parallel engines (ranks)."""
 
+    data_parallel_external_lb: bool = attrs.field(default=False, validator=_boolean)
+    """With several ranks: an external load balancer picks the rank for each client
+    (each client then owns one rank) instead of one client balancing over all."""
+
     data_parallel_rank: int = attrs.field(default=0, validator=_non_negative_int)
     """This engine's rank; its DEALER identity is ``rank.to_bytes(2, "little")``."""
 

@@ -15,6 +15,17 @@ from ._factory import (
     select_client_kind as select_client_kind,
 )
 from ._inproc import InprocClient as InprocClient, TrioInprocClient as TrioInprocClient
-from ._mp import TrioMPClient as TrioMPClient, connect_engine_client as connect_engine_client
+from ._lb import (
+    EngineConsensusError as EngineConsensusError,
+    EngineLoad as EngineLoad,
+    LeastLoaded as LeastLoaded,
+    LoadBalancer as LoadBalancer,
+    PowerOfTwoChoices as PowerOfTwoChoices,
+)
+from ._mp import (
+    DPLBTrioMPClient as DPLBTrioMPClient,
+    TrioMPClient as TrioMPClient,
+    connect_engine_client as connect_engine_client,
+)
 from ._stream import RequestStream as RequestStream
 from ._sync import EngineCoreClient as EngineCoreClient, SyncMPClient as SyncMPClient

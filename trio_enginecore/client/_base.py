@@ -35,6 +35,7 @@ from ..protocol import (
 )
 from ._collector import BatchCollector
 from ._launch import EngineHandle
+from ._lb import consensus
 from ._stream import RequestStream
 
 __all__ = ["AsyncEngineCoreClient", "ClientStatistics", "TrioClientBase"]
@@ -116,13 +117,7 @@ class AsyncEngineCoreClient(abc.ABC):
         """Abort in-flight requests and release everything the client holds."""
 
     async def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
-        result = await self.call_utility(method, *args)
-        try:
-            return msgspec.convert(result, result_type, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ProtocolError(
-                f"utility {method!r} returned {result!r}, expected {result_type}: {exc}"
-            ) from exc
+        return _convert(method, await self.call_utility(method, *args), result_type)
 
     async def is_sleeping(self) -> bool:
         """Whether the engine is asleep. Safe to retry after cancellation."""
@@ -130,11 +125,11 @@ class AsyncEngineCoreClient(abc.ABC):
 
     async def sleep(self, level: int = 1) -> None:
         """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
-        await self.call_utility("sleep", level)
+        await self._typed_call(type(None), "sleep", level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the engine up after :meth:`sleep`."""
-        await self.call_utility("wake_up", tags)
+        await self._typed_call(type(None), "wake_up", tags)
 
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
@@ -146,7 +141,7 @@ class AsyncEngineCoreClient(abc.ABC):
 
     async def profile(self, is_start: bool = True) -> None:
         """Start (or stop) the engine's profiler."""
-        await self.call_utility("profile", is_start)
+        await self._typed_call(type(None), "profile", is_start)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter on the engine; False if there is no room."""
@@ -170,11 +165,11 @@ class AsyncEngineCoreClient(abc.ABC):
 
     async def execute_dummy_batch(self) -> None:
         """Run the model once on a throwaway batch (a warm-up)."""
-        await self.call_utility("execute_dummy_batch")
+        await self._typed_call(type(None), "execute_dummy_batch")
 
     async def set_weight_version(self, version: str | None) -> None:
         """Record the weight version the engine reports on its outputs."""
-        await self.call_utility("set_weight_version", version)
+        await self._typed_call(type(None), "set_weight_version", version)
 
     async def get_weight_version(self) -> str | None:
         """The weight version set with :meth:`set_weight_version`."""
@@ -189,11 +184,11 @@ class AsyncEngineCoreClient(abc.ABC):
         returns once running requests finished, ``keep`` freezes them in place.
         Requests added while paused wait until :meth:`resume_scheduler`.
         """
-        await self.call_utility("pause_scheduler", mode, clear_cache)
+        await self._typed_call(type(None), "pause_scheduler", mode, clear_cache)
 
     async def resume_scheduler(self) -> None:
         """Resume the engine's scheduler after :meth:`pause_scheduler`."""
-        await self.call_utility("resume_scheduler")
+        await self._typed_call(type(None), "resume_scheduler")
 
     async def is_scheduler_paused(self) -> bool:
         """Whether the engine's scheduler is paused."""
@@ -204,6 +199,15 @@ class AsyncEngineCoreClient(abc.ABC):
         return await self._typed_call(tuple[int, int], "get_request_counts")
 
     # -------------------------------------------------------------- internals
+
+
+def _convert(method: str, result: Any, result_type: type[T]) -> T:
+    try:
+        return msgspec.convert(result, result_type, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(
+            f"utility {method!r} returned {result!r}, expected {result_type}: {exc}"
+        ) from exc
 
 
 @attrs.define(eq=False)
@@ -335,12 +339,12 @@ class TrioClientBase(AsyncEngineCoreClient):
             request = pending[0]
             engine = self._engine_for(request)
             request.client_index = self.client_index
-            self._inflight[request.request_id] = engine
+            self._track(request.request_id, engine)
             try:
                 self._transport_add_nowait(engine, request)
             except trio.WouldBlock:
                 # Not with the unbounded queues the clients use; go the slow way.
-                del self._inflight[request.request_id]
+                self._forget(request.request_id)
                 for rest in pending:
                     await self._send_add(rest, stream=None)
                 return
@@ -433,6 +437,10 @@ class TrioClientBase(AsyncEngineCoreClient):
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Call ``method(*args)`` on the engine and return its (untyped) result.
 
+        With several engines it goes to one of them (rank 0); see
+        ``call_utility_all``. The typed wrappers (``is_sleeping``, ``sleep``, ...)
+        go to every engine.
+
         Cancellation: the call's bookkeeping is undone and a late reply is dropped, but
         the engine may still have run the method; only the typed wrappers that are
         idempotent can simply be retried.
@@ -441,28 +449,67 @@ class TrioClientBase(AsyncEngineCoreClient):
             UtilityCallError: the method raised on the engine; carries its message.
             EngineDeadError: the engine died before replying.
         """
+        (result,) = await self._call_engines([self._utility_engine()], method, args)
+        return result
+
+    async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every engine; one result per engine, by rank.
+
+        Cancellation and errors as :meth:`call_utility` (the first engine failure is
+        raised, naming the engine).
+        """
+        return await self._call_engines(self._engines, method, args)
+
+    async def _call_engines(
+        self, engines: list[EngineHandle], method: str, args: tuple[Any, ...]
+    ) -> list[Any]:
         await trio.lowlevel.checkpoint_if_cancelled()
         self._raise_if_unusable()
-        engine = self._utility_engine()
-        call_id = self._new_call_id()
-        call = _UtilityCall(method)
-        payload = UtilityRequest(self.client_index, call_id, method, tuple(args))
-        self._calls[call_id] = call
+        calls: list[tuple[int, _UtilityCall]] = []
         try:
-            await self._transport_utility(engine, payload)
-            await call.done.wait()
+            for engine in engines:
+                call_id = self._new_call_id()
+                call = _UtilityCall(method)
+                self._calls[call_id] = call
+                calls.append((call_id, call))
+                payload = UtilityRequest(self.client_index, call_id, method, tuple(args))
+                await self._transport_utility(engine, payload)
+            for _, call in calls:
+                await call.done.wait()
         finally:
-            if self._calls.pop(call_id, None) is not None and not call.done.is_set():
-                logger.debug(
-                    "utility call %s (%d) abandoned; a late reply is dropped", method, call_id
-                )
-        if call.failure is not None:
-            raise EngineDeadError(call.failure)
-        reply = call.reply
-        assert reply is not None
-        if reply.failure_message is not None:
-            raise UtilityCallError(method, reply.failure_message)
-        return reply.result.result if reply.result is not None else None
+            for call_id, call in calls:
+                if self._calls.pop(call_id, None) is not None and not call.done.is_set():
+                    logger.debug(
+                        "utility call %s (%d) abandoned; a late reply is dropped", method, call_id
+                    )
+        results: list[Any] = []
+        for engine, (_, call) in zip(engines, calls, strict=True):
+            if call.failure is not None:
+                raise EngineDeadError(call.failure)
+            reply = call.reply
+            assert reply is not None
+            if reply.failure_message is not None:
+                where = f"engine {engine.rank}: " if len(engines) > 1 else ""
+                raise UtilityCallError(method, where + reply.failure_message)
+            results.append(reply.result.result if reply.result is not None else None)
+        return results
+
+    async def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
+        # Every engine gets the wrapped utilities, and must agree on the answer.
+        results = await self._call_engines(self._engines, method, args)
+        typed = [_convert(method, result, result_type) for result in results]
+        return consensus(method, typed)  # type: ignore[no-any-return]
+
+    async def get_request_counts(self) -> tuple[int, int]:
+        """``(waiting, running)`` summed over the engines (see
+        :meth:`get_request_counts_per_engine`)."""
+        per_engine = await self.get_request_counts_per_engine()
+        return sum(w for w, _ in per_engine), sum(r for _, r in per_engine)
+
+    async def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
+        """``(waiting, running)`` of each engine, by rank."""
+        results = await self._call_engines(self._engines, "get_request_counts", ())
+        return [_convert("get_request_counts", r, tuple[int, int]) for r in results]
 
     def _raise_if_unusable(self) -> None:
         if self._failure is not None:
@@ -492,16 +539,25 @@ class TrioClientBase(AsyncEngineCoreClient):
         engine = self._engine_for(request)
         request.client_index = self.client_index
         # Register before sending: the reply may be received before send returns.
-        self._inflight[request_id] = engine
+        self._track(request_id, engine)
         if stream is not None:
             self._streams[request_id] = stream
         try:
             await self._transport_add(engine, request)
         except BaseException:
-            self._inflight.pop(request_id, None)
+            self._forget(request_id)
             if stream is not None:
                 self._streams.pop(request_id, None)
             raise
+
+    def _track(self, request_id: str, engine: EngineHandle) -> None:
+        self._inflight[request_id] = engine
+        engine.load.in_flight += 1
+
+    def _forget(self, request_id: str) -> None:
+        engine = self._inflight.pop(request_id, None)
+        if engine is not None:
+            engine.load.in_flight -= 1
 
     def _abort_now(self, request_ids: Iterable[str]) -> None:
         by_engine: dict[int, tuple[EngineHandle, list[str]]] = {}
@@ -513,7 +569,7 @@ class TrioClientBase(AsyncEngineCoreClient):
             if engine.alive and not self._closed:
                 self._transport_abort(engine, ids)
             for request_id in ids:
-                del self._inflight[request_id]
+                self._forget(request_id)
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream._abort_locally()  # pyright: ignore[reportPrivateUsage]
@@ -537,7 +593,7 @@ class TrioClientBase(AsyncEngineCoreClient):
             # The batch API's hot path: the whole message goes to get_output() as it is,
             # with the per-output work done in comprehensions rather than one loop.
             for request_id in [o.request_id for o in outputs if o.finish_reason is not None]:
-                del inflight[request_id]
+                inflight.pop(request_id).load.in_flight -= 1
             batch = outputs
         else:
             batch = self._route_outputs(outputs)
@@ -559,7 +615,7 @@ class TrioClientBase(AsyncEngineCoreClient):
                 # Output of a request we aborted, produced before the abort arrived.
                 continue
             if output.finish_reason is not None:
-                del inflight[request_id]
+                inflight.pop(request_id).load.in_flight -= 1
             stream = streams.get(request_id)
             if stream is not None:
                 stream._push(output)  # pyright: ignore[reportPrivateUsage]
@@ -597,7 +653,7 @@ class TrioClientBase(AsyncEngineCoreClient):
             self._failure = message
         for request_id, owner in list(self._inflight.items()):
             if owner is engine:
-                del self._inflight[request_id]
+                self._forget(request_id)
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream._fail(message)  # pyright: ignore[reportPrivateUsage]

@@ -19,6 +19,7 @@ class ClientKind(enum.Enum):
     """The client classes a configuration can select."""
 
     TRIO_MP = "TrioMPClient"
+    DPLB_TRIO_MP = "DPLBTrioMPClient"
     TRIO_INPROC = "TrioInprocClient"
     SYNC_MP = "SyncMPClient"
     INPROC = "InprocClient"
@@ -27,15 +28,27 @@ class ClientKind(enum.Enum):
 def select_client_kind(config: EngineConfig, *, multiprocess: bool, blocking: bool) -> ClientKind:
     """Which client serves ``config``: the whole selection logic (pure).
 
+    One engine: the Trio or blocking, multiprocess or in-process client asked for.
+    Several (``data_parallel_size > 1``) with internal load balancing: the Trio
+    multiprocess :class:`~trio_enginecore.client.DPLBTrioMPClient`.
+
     Raises:
-        NotImplementedError: ``config.data_parallel_size > 1``; the data-parallel
-            clients will be selected here.
+        NotImplementedError: data-parallel configurations whose client is not built
+            yet: external load balancing (``data_parallel_external_lb``, which needs
+            the DP coordinator), and blocking or in-process data-parallel clients.
     """
     if config.data_parallel_size > 1:
-        raise NotImplementedError(
-            f"data_parallel_size={config.data_parallel_size}: the data-parallel clients are "
-            "not available yet; use data_parallel_size=1"
-        )
+        if config.data_parallel_external_lb:
+            raise NotImplementedError(
+                "data_parallel_external_lb=True (one rank per client) needs the DP "
+                "coordinator, which is not available yet; use internal load balancing"
+            )
+        if blocking or not multiprocess:
+            raise NotImplementedError(
+                f"data_parallel_size={config.data_parallel_size} is supported by the Trio "
+                "multiprocess client only (open_engine_client(config))"
+            )
+        return ClientKind.DPLB_TRIO_MP
     if blocking:
         return ClientKind.SYNC_MP if multiprocess else ClientKind.INPROC
     return ClientKind.TRIO_MP if multiprocess else ClientKind.TRIO_INPROC
@@ -131,7 +144,7 @@ def open_engine_client(
         EngineStartupError: an engine failed to start or was not ready in time; the
             message names the engine and includes its exit code and last stderr lines.
         NotImplementedError: a configuration whose client is not available yet
-            (``data_parallel_size > 1``).
+            (see :func:`~trio_enginecore.client.select_client_kind`).
         ValueError: attach addresses with ``multiprocess=False``.
     """
     config = config if config is not None else EngineConfig()

@@ -15,6 +15,7 @@ import trio
 
 from ..config import EngineConfig
 from ..protocol import EngineCoreReadyResponse
+from ._lb import EngineLoad
 
 __all__ = ["EngineHandle", "engine_command", "private_ipc_dir", "serve_arguments"]
 
@@ -98,6 +99,7 @@ class EngineHandle:
     )
     stderr_done: trio.Event = attrs.field(factory=trio.Event)
     ready: EngineCoreReadyResponse | None = None
+    load: EngineLoad = attrs.field(factory=EngineLoad)
     alive: bool = True
     death: str | None = None
 

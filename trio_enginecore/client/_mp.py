@@ -46,8 +46,14 @@ from ..protocol import (
 from ..serial import MsgpackDecoder, MsgpackEncoder
 from ._base import TrioClientBase, run_client
 from ._launch import EngineHandle, engine_command, private_ipc_dir, start_engine_process
+from ._lb import LeastLoaded, LoadBalancer
 
-__all__ = ["TrioMPClient", "connect_engine_client", "open_trio_mp_client"]
+__all__ = [
+    "DPLBTrioMPClient",
+    "TrioMPClient",
+    "connect_engine_client",
+    "open_trio_mp_client",
+]
 
 logger = logging.getLogger("trio_enginecore.client")
 
@@ -58,7 +64,6 @@ _MAX_DRAIN_MESSAGES: Final = 256
 _DRAIN_OUTPUTS: Final = 2048
 
 
-@final
 class TrioMPClient(TrioClientBase):
     """A Trio client for engines running in other processes.
 
@@ -77,8 +82,10 @@ class TrioMPClient(TrioClientBase):
         max_pending_outputs: int = 64,
         abort_timeout_s: float = 1.0,
         shutdown_timeout_s: float = 5.0,
+        load_balancer: LoadBalancer | None = None,
     ) -> None:
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.load_balancer: LoadBalancer = load_balancer or LeastLoaded()
         super().__init__(
             config,
             client_index=client_index,
@@ -91,6 +98,7 @@ class TrioMPClient(TrioClientBase):
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._ipc_dir: str | None = None
+        self._handshake_ready: set[bytes] = set()
         self._startup_scope: trio.CancelScope | None = None
 
     # ------------------------------------------------------------ public state
@@ -256,23 +264,25 @@ class TrioMPClient(TrioClientBase):
         waiting = {engine.identity: engine for engine in self._engines}
         while waiting:
             identity, *payload = await sock.recv_multipart()
-            engine = waiting.pop(bytes(identity), None)
-            if engine is None:
-                logger.warning("ignoring a handshake from unexpected identity %r", identity)
-                continue
             try:
-                hello = decoder.decode(payload)
+                message = decoder.decode(payload)
             except ProtocolError as exc:
                 raise EngineStartupError(
-                    f"{engine.describe()} sent an invalid HELLO: {exc}"
+                    f"invalid handshake message from {identity!r}: {exc}"
                 ) from exc
-            if not isinstance(hello, HandshakeHello):
-                raise EngineStartupError(f"{engine.describe()} sent {hello!r} instead of HELLO")
+            if isinstance(message, HandshakeReady):
+                # A fast engine can be READY before a slower one has said HELLO.
+                self._handshake_ready.add(bytes(identity))
+                continue
+            engine = waiting.pop(bytes(identity), None)
+            if engine is None:
+                logger.warning("ignoring a HELLO from unexpected identity %r", identity)
+                continue
             await sock.send_multipart([engine.identity, *metadata])
 
     async def _wait_handshake_ready(self, sock: TrioSocket) -> None:
         decoder: MsgpackDecoder[HandshakeHello | HandshakeReady] = MsgpackDecoder(HandshakeMessage)
-        waiting = {engine.identity for engine in self._engines}
+        waiting = {engine.identity for engine in self._engines} - self._handshake_ready
         while waiting:
             identity, *payload = await sock.recv_multipart()
             message = decoder.decode(payload)
@@ -361,12 +371,16 @@ async def open_trio_mp_client(
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
     client_index: int = 0,
+    load_balancer: LoadBalancer | None = None,
 ) -> AsyncGenerator[TrioMPClient, None]:
-    """Open a :class:`TrioMPClient` (see :func:`trio_enginecore.open_engine_client`)."""
+    """Open a :class:`TrioMPClient`, or with several engines a :class:`DPLBTrioMPClient`
+    (see :func:`trio_enginecore.open_engine_client`)."""
     if not (math.isfinite(ready_timeout_s) and ready_timeout_s > 0):
         raise ValueError(f"ready_timeout_s must be a positive number, got {ready_timeout_s!r}")
-    client = TrioMPClient(
+    client_class = TrioMPClient if config.data_parallel_size == 1 else DPLBTrioMPClient
+    client = client_class(
         config,
+        load_balancer=load_balancer,
         client_index=client_index,
         max_pending_outputs=max_pending_outputs,
         shutdown_timeout_s=shutdown_timeout_s,
@@ -382,6 +396,33 @@ async def open_trio_mp_client(
 
     async with run_client(client, start) as running:
         yield running
+
+
+@final
+class DPLBTrioMPClient(TrioMPClient):
+    """A Trio client balancing requests over several data-parallel engines.
+
+    Selected by :func:`~trio_enginecore.open_engine_client` when
+    ``config.data_parallel_size > 1``: it launches that many engines (ranks) and sends
+    each request to the engine its ``load_balancer`` chooses (by default
+    :class:`~trio_enginecore.client.LeastLoaded`, vLLM's score over the client's exact
+    in-flight counts), or to ``request.data_parallel_rank`` when set. Aborts (and the
+    aborts of cancelled streams) go only to the engine that has the request.
+    ``call_utility`` goes to rank 0, ``call_utility_all`` to every engine, and the
+    typed wrappers to every engine, raising
+    :class:`~trio_enginecore.client.EngineConsensusError` if the answers differ.
+
+    Failure policy: the client fails as a whole. When one engine dies, its in-flight
+    requests fail with ``EngineDeadError`` at once and every later call raises it;
+    requests on the surviving engines keep streaming until the block ends, and the
+    ``async with`` block then raises one ``EngineDeadError``.
+    """
+
+    def _engine_for(self, request: EngineCoreRequest) -> EngineHandle:
+        index = self.load_balancer.choose(
+            [engine.load for engine in self._engines], request.data_parallel_rank
+        )
+        return self._engines[index]
 
 
 async def connect_engine_client(
@@ -406,8 +447,10 @@ async def connect_engine_client(
     Raises:
         EngineStartupError: as :func:`~trio_enginecore.open_engine_client`.
     """
-    client = TrioMPClient(
-        config if config is not None else EngineConfig(),
+    config = config if config is not None else EngineConfig()
+    client_class = TrioMPClient if config.data_parallel_size == 1 else DPLBTrioMPClient
+    client = client_class(
+        config,
         client_index=client_index,
         max_pending_outputs=max_pending_outputs,
         shutdown_timeout_s=shutdown_timeout_s,

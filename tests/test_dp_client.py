@@ -1,0 +1,162 @@
+"""DPLBTrioMPClient: one client balancing over three real engine processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+import trio.testing
+
+from trio_enginecore import EngineConfig, EngineDeadError, open_engine_client
+from trio_enginecore.client import DPLBTrioMPClient, EngineConsensusError
+from trio_enginecore.protocol import EngineCoreRequest, SamplingParams
+
+from .support import children_of_this_process, expected, request
+
+
+def ranked_request(request_id: str, prompt: list[int], rank: int) -> EngineCoreRequest:
+    params = SamplingParams(max_tokens=4)
+    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, rank)
+
+
+async def test_600_concurrent_streams_over_3_engines_complete_exactly() -> None:
+    prompts = {f"s{i}": [i * 7 + 1] for i in range(600)}
+    results: dict[str, list[int]] = {}
+    with trio.fail_after(90):
+        async with open_engine_client(EngineConfig(data_parallel_size=3)) as client:
+            assert isinstance(client, DPLBTrioMPClient)
+            assert len([pid for pid in client.engine_pids if pid]) == 3
+
+            async def run(rid: str) -> None:
+                tokens: list[int] = []
+                async with client.stream(request(rid, prompts[rid], 16)) as outputs:
+                    async for output in outputs:
+                        tokens += output.new_token_ids
+                results[rid] = tokens
+
+            async with trio.open_nursery() as nursery:
+                for rid in prompts:
+                    nursery.start_soon(run, rid)
+            assert client.statistics().requests_in_flight == 0
+    for rid, prompt in prompts.items():
+        assert results[rid] == expected(prompt, 16), rid
+    assert children_of_this_process() == []
+
+
+async def test_uniform_load_is_balanced_and_aborts_go_only_to_the_owning_engine() -> None:
+    config = EngineConfig(data_parallel_size=3, step_time_s=0.005, max_num_seqs=1024)
+    with trio.fail_after(60):
+        async with open_engine_client(config) as client:
+            scopes: dict[str, trio.CancelScope] = {}
+            started = 0
+            all_started = trio.Event()
+
+            async def hold(rid: str) -> None:
+                nonlocal started
+                with trio.CancelScope() as scope:
+                    scopes[rid] = scope
+                    async with client.stream(request(rid, [1], 100_000)) as outputs:
+                        await outputs.receive()
+                        started += 1
+                        if started == 600:
+                            all_started.set()
+                        async for _ in outputs:
+                            pass
+
+            async with trio.open_nursery() as nursery:
+                for i in range(600):
+                    nursery.start_soon(hold, f"h{i}")
+                await all_started.wait()
+                per_engine = await client.get_request_counts_per_engine()
+                totals = [w + r for w, r in per_engine]
+                assert sum(totals) == 600
+                mean = sum(totals) / 3
+                assert all(abs(t - mean) <= 0.2 * mean for t in totals), totals
+                # Cancel every other stream: each abort must reach only its engine, so
+                # every engine ends up holding exactly what the client thinks it holds.
+                for i in range(0, 600, 2):
+                    scopes[f"h{i}"].cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                owners = client._inflight  # pyright: ignore[reportPrivateUsage]
+                expected_per_engine = [0, 0, 0]
+                for engine in owners.values():
+                    expected_per_engine[engine.rank] += 1
+                per_engine = await client.get_request_counts_per_engine()
+                assert [w + r for w, r in per_engine] == expected_per_engine
+                assert sum(expected_per_engine) == 300
+                nursery.cancel_scope.cancel()
+            assert await client.get_request_counts() == (0, 0)
+            assert client.statistics().requests_in_flight == 0
+
+
+async def test_an_explicit_rank_on_the_request_is_honoured() -> None:
+    with trio.fail_after(30):
+        async with open_engine_client(EngineConfig(data_parallel_size=3)) as client:
+            for rank in (2, 2, 0, 1):
+                await client.add_request(
+                    ranked_request(f"r{rank}-{trio.current_time()}", [1], rank)
+                )
+            seen: dict[int, int] = {}
+            finished = 0
+            while finished < 4:
+                outputs = await client.get_output()
+                for output in outputs.outputs:
+                    if output.finish_reason is not None:
+                        finished += 1
+                        seen[outputs.engine_index] = seen.get(outputs.engine_index, 0) + 1
+            assert seen == {2: 2, 0: 1, 1: 1}
+
+
+async def test_utilities_reach_every_engine_and_must_agree() -> None:
+    with trio.fail_after(30):
+        async with open_engine_client(EngineConfig(data_parallel_size=3)) as client:
+            await client.sleep()  # a typed wrapper: every engine
+            assert await client.call_utility_all("is_sleeping") == [True, True, True]
+            assert await client.is_sleeping() is True
+            await client.wake_up()
+            await client.call_utility("sleep")  # untyped: rank 0 only
+            assert await client.call_utility_all("is_sleeping") == [True, False, False]
+            with pytest.raises(EngineConsensusError, match="engine 0: True, engine 1: False"):
+                await client.is_sleeping()
+            await client.wake_up()
+            assert await client.get_request_counts_per_engine() == [(0, 0)] * 3
+
+
+async def test_killing_one_rank_fails_its_requests_and_then_the_client() -> None:
+    failures: list[str] = []
+    finished: list[str] = []
+    config = EngineConfig(data_parallel_size=3, step_time_s=0.005)
+    with trio.fail_after(30), pytest.raises(EngineDeadError, match="signal 9"):
+        async with open_engine_client(config) as client:
+            victim_pid = client.engine_pids[1]
+            assert victim_pid is not None
+
+            async def run(i: int) -> None:
+                # Pin requests to ranks so we know whose they are.
+                req = ranked_request(f"k{i}", [1], i % 3)
+                assert req.sampling_params is not None
+                req.sampling_params.max_tokens = 300
+                try:
+                    async with client.stream(req) as outputs:
+                        async for _ in outputs:
+                            pass
+                    finished.append(req.request_id)
+                except EngineDeadError:
+                    failures.append(req.request_id)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(9):
+                    nursery.start_soon(run, i)
+                await trio.sleep(0.3)
+                os.kill(victim_pid, signal.SIGKILL)
+                with trio.fail_after(2):
+                    while len(failures) < 3:
+                        await trio.sleep(0.01)
+            # Exactly rank 1's requests failed; the others finished their tokens.
+            assert sorted(failures) == ["k1", "k4", "k7"]
+            assert sorted(finished) == ["k0", "k2", "k3", "k5", "k6", "k8"]
+            with pytest.raises(EngineDeadError):
+                await client.add_request(request("after", [1]))
+    assert children_of_this_process() == []

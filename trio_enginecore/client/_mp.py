@@ -82,10 +82,8 @@ class TrioMPClient(TrioClientBase):
         max_pending_outputs: int = 64,
         abort_timeout_s: float = 1.0,
         shutdown_timeout_s: float = 5.0,
-        load_balancer: LoadBalancer | None = None,
     ) -> None:
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.load_balancer: LoadBalancer = load_balancer or LeastLoaded()
         super().__init__(
             config,
             client_index=client_index,
@@ -377,8 +375,7 @@ async def open_trio_mp_client(
     (see :func:`trio_enginecore.open_engine_client`)."""
     if not (math.isfinite(ready_timeout_s) and ready_timeout_s > 0):
         raise ValueError(f"ready_timeout_s must be a positive number, got {ready_timeout_s!r}")
-    client_class = TrioMPClient if config.data_parallel_size == 1 else DPLBTrioMPClient
-    client = client_class(
+    client = _new_client(
         config,
         load_balancer=load_balancer,
         client_index=client_index,
@@ -418,11 +415,55 @@ class DPLBTrioMPClient(TrioMPClient):
     ``async with`` block then raises one ``EngineDeadError``.
     """
 
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        load_balancer: LoadBalancer | None = None,
+        client_index: int = 0,
+        max_pending_outputs: int = 64,
+        abort_timeout_s: float = 1.0,
+        shutdown_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(
+            config,
+            client_index=client_index,
+            max_pending_outputs=max_pending_outputs,
+            abort_timeout_s=abort_timeout_s,
+            shutdown_timeout_s=shutdown_timeout_s,
+        )
+        self.load_balancer: LoadBalancer = load_balancer or LeastLoaded()
+
     def _engine_for(self, request: EngineCoreRequest) -> EngineHandle:
         index = self.load_balancer.choose(
             [engine.load for engine in self._engines], request.data_parallel_rank
         )
         return self._engines[index]
+
+
+def _new_client(
+    config: EngineConfig,
+    *,
+    load_balancer: LoadBalancer | None,
+    client_index: int,
+    max_pending_outputs: int,
+    shutdown_timeout_s: float,
+) -> TrioMPClient:
+    """One engine: a TrioMPClient; several: a DPLBTrioMPClient balancing over them."""
+    if config.data_parallel_size == 1:
+        return TrioMPClient(
+            config,
+            client_index=client_index,
+            max_pending_outputs=max_pending_outputs,
+            shutdown_timeout_s=shutdown_timeout_s,
+        )
+    return DPLBTrioMPClient(
+        config,
+        load_balancer=load_balancer,
+        client_index=client_index,
+        max_pending_outputs=max_pending_outputs,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
 
 
 async def connect_engine_client(
@@ -447,10 +488,9 @@ async def connect_engine_client(
     Raises:
         EngineStartupError: as :func:`~trio_enginecore.open_engine_client`.
     """
-    config = config if config is not None else EngineConfig()
-    client_class = TrioMPClient if config.data_parallel_size == 1 else DPLBTrioMPClient
-    client = client_class(
-        config,
+    client = _new_client(
+        config if config is not None else EngineConfig(),
+        load_balancer=None,
         client_index=client_index,
         max_pending_outputs=max_pending_outputs,
         shutdown_timeout_s=shutdown_timeout_s,

@@ -160,3 +160,23 @@ async def test_killing_one_rank_fails_its_requests_and_then_the_client() -> None
             with pytest.raises(EngineDeadError):
                 await client.add_request(request("after", [1]))
     assert children_of_this_process() == []
+
+
+async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -> None:
+    config = EngineConfig(data_parallel_size=3, step_time_s=0.01, max_num_seqs=4)
+    with trio.fail_after(30):
+        async with open_engine_client(config) as client:
+            coordinator = client._coordinator  # pyright: ignore[reportPrivateUsage]
+            assert coordinator is not None
+            async with trio.open_nursery() as nursery:
+                for i in range(30):
+                    nursery.start_soon(client.add_request, request(f"c{i}", [1], 100_000))
+            engines = client._engines  # pyright: ignore[reportPrivateUsage]
+            # The engines report, the coordinator publishes, the client folds it in:
+            # the published counts end up equal to what the engines say directly.
+            # 30 requests balanced 10 per engine, 4 running (max_num_seqs) and 6 waiting.
+            while [(e.load.waiting, e.load.running) for e in engines] != [(6, 4)] * 3:
+                await trio.sleep(0.05)
+            assert await client.get_request_counts_per_engine() == [(6, 4)] * 3
+    assert coordinator.returncode is not None
+    assert children_of_this_process() == []

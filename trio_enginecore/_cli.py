@@ -239,6 +239,19 @@ def _parser() -> argparse.ArgumentParser:
         )
     )
     _bench_parser(commands.add_parser("bench", help="measure the Trio client on your machine"))
+    coordinator = commands.add_parser(
+        "coordinator", help="run the data-parallel coordinator (clients launch it themselves)"
+    )
+    coordinator.add_argument("--engines", type=int, required=True, help="number of engines")
+    coordinator.add_argument(
+        "--stats-address", required=True, help="address to bind for the engines' counts (PULL)"
+    )
+    coordinator.add_argument(
+        "--publish-address", required=True, help="address to bind for clients (XPUB)"
+    )
+    coordinator.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the launching process exits"
+    )
     return parser
 
 
@@ -291,6 +304,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_serve(parser, args)
     if args.command == "bench":
         return _run_bench(args)
+    if args.command == "coordinator":
+        from .engine._serve import serve_coordinator
+
+        return serve_coordinator(
+            engines=args.engines,
+            stats_address=args.stats_address,
+            publish_address=args.publish_address,
+            exit_with_parent=args.exit_with_parent,
+        )
     import trio
 
     from ._demo import run_demo

@@ -20,10 +20,13 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from typing import Any, Final, final
 
+import msgspec
 import trio
 import zmq
 
@@ -97,6 +100,8 @@ class TrioMPClient(TrioClientBase):
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._ipc_dir: str | None = None
         self._handshake_ready: set[bytes] = set()
+        self._coordinator: trio.Process | None = None
+        self._coordinator_stats_address: str | None = None
         self._startup_scope: trio.CancelScope | None = None
 
     # ------------------------------------------------------------ public state
@@ -216,6 +221,8 @@ class TrioMPClient(TrioClientBase):
                     if not attach:
                         handshake = make_socket(self._ctx, zmq.ROUTER)
                         handshake_address = handshake.bind(f"ipc://{self._ipc_dir}/handshake")
+                        if count > 1:
+                            await self._start_coordinator(nursery)
                         for engine in self._engines:
                             config = self.config.evolve(data_parallel_rank=engine.rank)
                             await start_engine_process(
@@ -256,7 +263,11 @@ class TrioMPClient(TrioClientBase):
         decoder: MsgpackDecoder[HandshakeHello | HandshakeReady] = MsgpackDecoder(HandshakeMessage)
         metadata = self._encoder.encode(
             EngineHandshakeMetadata(
-                addresses=EngineZmqAddresses(inputs=[input_address], outputs=[output_address])
+                addresses=EngineZmqAddresses(
+                    inputs=[input_address],
+                    outputs=[output_address],
+                    coordinator_output=self._coordinator_stats_address,
+                )
             )
         )
         waiting = {engine.identity: engine for engine in self._engines}
@@ -338,8 +349,58 @@ class TrioMPClient(TrioClientBase):
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
+    async def _start_coordinator(self, nursery: trio.Nursery) -> None:
+        """Launch the DP coordinator and subscribe to the counts it publishes."""
+        stats_address = f"ipc://{self._ipc_dir}/coordinator-stats"
+        publish_address = f"ipc://{self._ipc_dir}/coordinator-publish"
+        self._coordinator = await trio.lowlevel.open_process(
+            [
+                sys.executable,
+                "-m",
+                "trio_enginecore",
+                "coordinator",
+                "--exit-with-parent",
+                "--engines",
+                str(len(self._engines)),
+                "--stats-address",
+                stats_address,
+                "--publish-address",
+                publish_address,
+            ],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self._coordinator_stats_address = stats_address
+        subscription = make_socket(self._ctx, zmq.SUB)
+        subscription.raw.setsockopt(zmq.SUBSCRIBE, b"")
+        subscription.connect(publish_address)
+        nursery.start_soon(self._coordinator_loop, subscription)
+
+    async def _coordinator_loop(self, sock: TrioSocket) -> None:
+        """Fold the coordinator's published counts into the engines' loads."""
+        try:
+            while True:
+                for frames in await sock.drain():
+                    try:
+                        counts, _wave, _running = msgspec.msgpack.decode(frames[0])
+                        for engine, (waiting, running, kv_usage) in zip(
+                            self._engines, counts, strict=True
+                        ):
+                            engine.load.waiting = int(waiting)
+                            engine.load.running = int(running)
+                            engine.load.kv_usage = float(kv_usage)
+                    except (msgspec.DecodeError, TypeError, ValueError) as exc:
+                        logger.error("dropping an invalid coordinator message: %s", exc)
+        except trio.ClosedResourceError:
+            if not self._closing:
+                raise
+        finally:
+            sock.close()
+
     async def _stop_processes(self, timeout_s: float) -> None:
         processes = [e.process for e in self._engines if e.process is not None]
+        if self._coordinator is not None:
+            processes.append(self._coordinator)
         for process in processes:
             if process.returncode is None:
                 process.terminate()
@@ -403,7 +464,9 @@ class DPLBTrioMPClient(TrioMPClient):
     ``config.data_parallel_size > 1``: it launches that many engines (ranks) and sends
     each request to the engine its ``load_balancer`` chooses (by default
     :class:`~trio_enginecore.client.LeastLoaded`, vLLM's score over the client's exact
-    in-flight counts), or to ``request.data_parallel_rank`` when set. Aborts (and the
+    in-flight counts and the waiting/running counts the engines report through a
+    coordinator process launched with them), or to ``request.data_parallel_rank`` when
+    set. Aborts (and the
     aborts of cancelled streams) go only to the engine that has the request.
     ``call_utility`` goes to rank 0, ``call_utility_all`` to every engine, and the
     typed wrappers to every engine, raising

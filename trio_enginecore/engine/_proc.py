@@ -37,6 +37,7 @@ from ..protocol import (
     EngineZmqAddresses,
     HandshakeHello,
     HandshakeReady,
+    SchedulerStats,
     StartDPWave,
     UtilityRequest,
 )
@@ -52,6 +53,8 @@ OUTPUT_LINGER_MS: Final = 4000
 socket; the process terminates its context after Trio exits, which waits this long."""
 
 HANDSHAKE_LINGER_MS: Final = 5000
+REPORT_INTERVAL_S: Final = 0.02
+"""How often an engine of a data-parallel group checks its counts for the coordinator."""
 DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 300.0
 
 
@@ -178,6 +181,11 @@ class EngineCoreProc:
             async with trio.open_nursery() as nursery:
                 for sock in inputs:
                     nursery.start_soon(self._input_loop, sock)
+                if addresses.coordinator_output is not None:
+                    stats = make_socket(self._ctx, zmq.PUSH)
+                    inputs.append(stats)  # closed with the others
+                    stats.connect(addresses.coordinator_output)
+                    nursery.start_soon(self._report_loop, stats)
                 await self._busy_loop()
                 nursery.cancel_scope.cancel()
         except* FatalEngineError:
@@ -315,6 +323,20 @@ class EngineCoreProc:
             else:
                 await self._work.wait()
             self._work = trio.Event()
+
+    async def _report_loop(self, sock: TrioSocket) -> None:
+        """Tell the DP coordinator our request counts whenever they change."""
+        last: tuple[int, int] | None = None
+        while True:
+            counts = (self.core.num_waiting, self.core.num_running)
+            if counts != last:
+                stats = SchedulerStats(num_waiting_reqs=counts[0], num_running_reqs=counts[1])
+                report = EngineCoreOutputs(
+                    engine_index=self.config.data_parallel_rank, scheduler_stats=stats
+                )
+                await sock.send_multipart(self._encoder.encode(report))
+                last = counts
+            await trio.sleep(REPORT_INTERVAL_S)
 
     async def _send_utility_replies(self) -> None:
         for client_index, reply in self.core.take_utility_outputs():

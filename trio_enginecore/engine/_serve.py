@@ -135,3 +135,33 @@ def serve(
     if exit_code == EXIT_OK:
         logger.info("engine drained, exiting")
     return exit_code
+
+
+def serve_coordinator(
+    *, engines: int, stats_address: str, publish_address: str, exit_with_parent: bool
+) -> int:
+    """Run the data-parallel coordinator until SIGTERM/SIGINT; return the exit code."""
+    from ._coordinator import run_coordinator
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                if exit_with_parent:
+                    nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
+                nursery.start_soon(
+                    lambda: run_coordinator(
+                        ctx,
+                        engines=engines,
+                        stats_address=stats_address,
+                        publish_address=publish_address,
+                    )
+                )
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        trio.run(main)
+    finally:
+        ctx.destroy(linger=0)
+    return EXIT_OK

@@ -29,6 +29,7 @@ from .protocol import EngineCoreRequest, SamplingParams
 __all__ = [
     "abort_summary",
     "format_table",
+    "generate_summary",
     "make_request",
     "measure_abort_latency",
     "measure_generate",
@@ -140,12 +141,13 @@ async def measure_generate(
         await trio.lowlevel.checkpoint()
     stats_after = client.statistics()
     messages = stats_after.messages_received - stats_before.messages_received
-    return _summary(wall, cpu, len(latencies), tokens_seen, messages, latencies)
+    return generate_summary(wall, cpu, len(latencies), tokens_seen, messages, latencies)
 
 
-def _summary(
+def generate_summary(
     wall: float, cpu: float, requests: int, tokens: int, messages: int, latencies: list[float]
 ) -> dict[str, Any]:
+    """The figures of a generate run (shared with the baselines)."""
     return {
         "wall_s": wall,
         "client_cpu_s": cpu,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,8 +41,8 @@ import zmq.asyncio
 
 from trio_enginecore._bench import (
     abort_summary,
+    generate_summary,
     make_request,
-    percentile,
     rss_bytes,
     utility_summary,
 )
@@ -292,29 +291,11 @@ async def measure_generate(
     await client.abort_requests_async(list(started_at))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     messages = client.messages_received - messages_before
-    result = _summary(wall, cpu, len(latencies), tokens_seen, messages, latencies)
+    result = generate_summary(wall, cpu, len(latencies), tokens_seen, messages, latencies)
     # Extra (asyncio only): the deepest the outputs queue got, a sign of the receive
     # task running ahead of the consumer without yielding.
     result["max_queue_depth"] = client.max_queue_depth
     return result
-
-
-def _summary(
-    wall: float, cpu: float, requests: int, tokens: int, messages: int, latencies: list[float]
-) -> dict[str, Any]:
-    return {
-        "wall_s": wall,
-        "client_cpu_s": cpu,
-        "requests": requests,
-        "output_tokens": tokens,
-        "messages": messages,
-        "latency_p50_s": percentile(latencies, 50),
-        "latency_p99_s": percentile(latencies, 99),
-        "tokens_per_s": tokens / wall if wall else math.nan,
-        "requests_per_s": requests / wall if wall else math.nan,
-        "cpu_us_per_token": 1e6 * cpu / tokens if tokens else math.nan,
-        "cpu_us_per_message": 1e6 * cpu / messages if messages else math.nan,
-    }
 
 
 async def measure_recv(

@@ -25,8 +25,8 @@ import zmq
 
 from trio_enginecore._bench import (
     abort_summary,
+    generate_summary,
     make_request,
-    percentile,
     utility_summary,
 )
 from trio_enginecore.errors import EngineDeadError, EngineStartupError, UtilityCallError
@@ -205,19 +205,7 @@ def measure_generate(
     client.abort_requests(list(started_at))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     messages = client.messages_received - messages_before
-    return {
-        "wall_s": wall,
-        "client_cpu_s": cpu,
-        "requests": len(latencies),
-        "output_tokens": tokens_seen,
-        "messages": messages,
-        "latency_p50_s": percentile(latencies, 50),
-        "latency_p99_s": percentile(latencies, 99),
-        "tokens_per_s": tokens_seen / wall if wall else math.nan,
-        "requests_per_s": len(latencies) / wall if wall else math.nan,
-        "cpu_us_per_token": 1e6 * cpu / tokens_seen if tokens_seen else math.nan,
-        "cpu_us_per_message": 1e6 * cpu / messages if messages else math.nan,
-    }
+    return generate_summary(wall, cpu, len(latencies), tokens_seen, messages, latencies)
 
 
 def measure_recv(client: BlockingClient, *, batch: int, timeout_s: float = 300.0) -> dict[str, Any]:

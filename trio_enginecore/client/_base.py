@@ -117,7 +117,7 @@ class AsyncEngineCoreClient(abc.ABC):
         """Abort in-flight requests and release everything the client holds."""
 
     async def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
-        return _convert(method, await self.call_utility(method, *args), result_type)
+        return convert_result(method, await self.call_utility(method, *args), result_type)
 
     async def is_sleeping(self) -> bool:
         """Whether the engine is asleep. Safe to retry after cancellation."""
@@ -201,7 +201,8 @@ class AsyncEngineCoreClient(abc.ABC):
     # -------------------------------------------------------------- internals
 
 
-def _convert(method: str, result: Any, result_type: type[T]) -> T:
+def convert_result(method: str, result: Any, result_type: type[T]) -> T:
+    """A utility's untyped result as ``result_type``, or ProtocolError."""
     try:
         return msgspec.convert(result, result_type, strict=False)
     except msgspec.ValidationError as exc:
@@ -497,7 +498,7 @@ class TrioClientBase(AsyncEngineCoreClient):
     async def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
         # Every engine gets the wrapped utilities, and must agree on the answer.
         results = await self._call_engines(self._engines, method, args)
-        typed = [_convert(method, result, result_type) for result in results]
+        typed = [convert_result(method, result, result_type) for result in results]
         return consensus(method, typed)  # type: ignore[no-any-return]
 
     async def get_request_counts(self) -> tuple[int, int]:
@@ -509,7 +510,7 @@ class TrioClientBase(AsyncEngineCoreClient):
     async def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
         """``(waiting, running)`` of each engine, by rank."""
         results = await self._call_engines(self._engines, "get_request_counts", ())
-        return [_convert("get_request_counts", r, tuple[int, int]) for r in results]
+        return [convert_result("get_request_counts", r, tuple[int, int]) for r in results]
 
     def _raise_if_unusable(self) -> None:
         if self._failure is not None:

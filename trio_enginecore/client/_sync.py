@@ -18,13 +18,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, final
 
-import msgspec
 import trio
 
 from ..config import EngineConfig
-from ..errors import ProtocolError, UtilityCallError
+from ..errors import UtilityCallError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, UtilityOutput
-from ._base import ClientStatistics
+from ._base import ClientStatistics, convert_result
 from ._mp import TrioMPClient, open_trio_mp_client
 
 __all__ = ["EngineCoreClient", "SyncMPClient"]
@@ -87,13 +86,7 @@ class EngineCoreClient(abc.ABC):
         return reply.result.result if reply.result is not None else None
 
     def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
-        result = self.call_utility(method, *args)
-        try:
-            return msgspec.convert(result, result_type, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ProtocolError(
-                f"utility {method!r} returned {result!r}, expected {result_type}: {exc}"
-            ) from exc
+        return convert_result(method, self.call_utility(method, *args), result_type)
 
     def is_sleeping(self) -> bool:
         """Whether the engine is asleep."""

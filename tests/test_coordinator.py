@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -10,7 +12,11 @@ import trio
 import zmq
 
 from trio_enginecore._zmq import make_socket
-from trio_enginecore.engine._coordinator import CoordinatorState, run_coordinator
+from trio_enginecore.engine._coordinator import (
+    CoordinatorAddresses,
+    CoordinatorState,
+    run_coordinator,
+)
 from trio_enginecore.protocol import EngineCoreOutputs, SchedulerStats
 from trio_enginecore.serial import MsgpackEncoder
 
@@ -33,10 +39,10 @@ def test_state_folds_each_engines_counts_and_tracks_changes() -> None:
     assert not state.changed
     state.update(stats(1, 2, 5))
     assert state.changed
-    assert state.engines_running
     counts, wave, running = msgspec.msgpack.decode(state.publication())
     assert counts == [[0, 0, 0.0], [2, 5, 0.0], [0, 0, 0.0]]
-    assert (wave, running) == (0, True)
+    # Counts are load, not the wave: only wave messages start and end waves.
+    assert (wave, running) == (0, False)
     state.update(stats(1, 2, 5))  # the same again: nothing to publish
     assert not state.changed
 
@@ -49,41 +55,71 @@ def test_state_ignores_unknown_engines_and_messages_without_stats() -> None:
     assert not state.changed
 
 
-async def test_the_coordinator_republishes_engine_counts_to_subscribers() -> None:
+async def test_the_coordinator_relays_counts_and_runs_waves_over_real_sockets() -> None:
     tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
+    addresses = CoordinatorAddresses.in_directory(tmp)
     ctx: zmq.Context[Any] = zmq.Context()
     push = make_socket(ctx, zmq.PUSH)
-    sub = make_socket(ctx, zmq.SUB)
+    client = make_socket(ctx, zmq.XSUB)
+    engines = [make_socket(ctx, zmq.XSUB) for _ in range(2)]
+    encoder = MsgpackEncoder()
+
+    async def next_publication(predicate: Callable[[list[Any]], bool]) -> list[Any]:
+        while True:
+            publication = msgspec.msgpack.decode((await client.recv_multipart())[0])
+            if predicate(publication):
+                return publication
+
     try:
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 await nursery.start(
-                    lambda task_status: run_coordinator(
+                    partial(
+                        run_coordinator,
                         ctx,
                         engines=2,
-                        stats_address=f"ipc://{tmp}/stats",
-                        publish_address=f"ipc://{tmp}/pub",
+                        addresses=addresses,
                         min_interval_s=0.01,
-                        heartbeat_s=0.2,
-                        task_status=task_status,
+                        heartbeat_s=60,
                     )
                 )
-                sub.raw.setsockopt(zmq.SUBSCRIBE, b"")
-                sub.connect(f"ipc://{tmp}/pub")
-                push.connect(f"ipc://{tmp}/stats")
-                encoder = MsgpackEncoder()
-                # A subscriber that joins late still learns the state (heartbeat).
-                first = msgspec.msgpack.decode((await sub.recv_multipart())[0])
-                assert first[0] == [[0, 0, 0.0], [0, 0, 0.0]]
+                # Engines subscribe; READY comes once both have.
+                engines[0].connect(addresses.engine_publish)
+                await engines[0].send_multipart([b"\x01"])
+                with trio.move_on_after(0.2) as early:
+                    await engines[0].recv_multipart()
+                assert early.cancelled_caught, "READY before every engine subscribed"
+                engines[1].connect(addresses.engine_publish)
+                await engines[1].send_multipart([b"\x01"])
+                for engine in engines:
+                    assert await engine.recv_multipart() == [b"READY"]
+                # A new client is sent the state at once (no waiting for a heartbeat).
+                client.connect(addresses.publish)
+                await client.send_multipart([b"\x01"])
+                first = await next_publication(lambda _: True)
+                assert first == [[[0, 0, 0.0], [0, 0, 0.0]], 0, False]
+                push.connect(addresses.stats)
                 await push.send_multipart(encoder.encode(stats(0, 3, 4)))
                 await push.send_multipart(encoder.encode(stats(1, 0, 2)))
-                while True:
-                    counts, _, running = msgspec.msgpack.decode((await sub.recv_multipart())[0])
-                    if counts == [[3, 4, 0.0], [0, 2, 0.0]]:
-                        break
-                assert running is True
+                await next_publication(lambda p: p[0] == [[3, 4, 0.0], [0, 2, 0.0]])
+                # The client sends a request to engine 1 while paused: the others start.
+                await client.send_multipart([msgspec.msgpack.encode((1, 0))])
+                for engine in engines:
+                    frames = await engine.recv_multipart()
+                    assert frames[0] == b"\x02"
+                    assert msgspec.msgpack.decode(frames[1]) == [0, 1]
+                await next_publication(lambda p: p[1:] == [0, True])
+                for index in (0, 1):
+                    done = EngineCoreOutputs(engine_index=index, wave_complete=0)
+                    await push.send_multipart(encoder.encode(done))
+                await next_publication(lambda p: p[1:] == [1, False])
+                # Garbage from a client or an engine is dropped; the coordinator serves on.
+                await client.send_multipart([b"\xc1not msgpack"])
+                await push.send_multipart([b"\xc1"])
+                await push.send_multipart(encoder.encode(stats(1, 9, 9)))
+                await next_publication(lambda p: p[0][1][:2] == [9, 9])
                 nursery.cancel_scope.cancel()
     finally:
-        push.close()
-        sub.close()
+        for sock in (push, client, *engines):
+            sock.close()
         ctx.destroy(linger=0)

@@ -166,8 +166,8 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
     config = EngineConfig(data_parallel_size=3, step_time_s=0.01, max_num_seqs=4)
     with trio.fail_after(30):
         async with open_engine_client(config) as client:
-            coordinator = client._coordinator  # pyright: ignore[reportPrivateUsage]
-            assert coordinator is not None
+            tasks = client._socket_tasks  # pyright: ignore[reportPrivateUsage]
+            assert len(tasks) == 1  # the coordinator
             async with trio.open_nursery() as nursery:
                 for i in range(30):
                     nursery.start_soon(client.add_request, request(f"c{i}", [1], 100_000))
@@ -178,5 +178,11 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
             while [(e.load.waiting, e.load.running) for e in engines] != [(6, 4)] * 3:
                 await trio.sleep(0.05)
             assert await client.get_request_counts_per_engine() == [(6, 4)] * 3
-    assert coordinator.returncode is not None
+            assert client.engines_running
+            # The wave ends when every engine has nothing left. (An engine that got the
+            # START_DP_WAVE before its first request may have started a second wave.)
+            await client.abort_requests([f"c{i}" for i in range(30)])
+            while client.engines_running or client.current_wave < 1:
+                await client.wait_wave_change()
+    assert all(done.is_set() for _, done in tasks)
     assert children_of_this_process() == []

@@ -59,6 +59,7 @@ def test_client_kinds_name_the_client_classes() -> None:
 
     assert {kind.value for kind in ClientKind} == {
         "TrioMPClient",
+        "DPTrioMPClient",
         "DPLBTrioMPClient",
         "TrioInprocClient",
         "SyncMPClient",
@@ -87,10 +88,19 @@ def test_data_parallel_is_trio_multiprocess_only_for_now(
         )
 
 
-def test_external_load_balancing_needs_the_coordinator() -> None:
+def test_data_parallel_with_external_load_balancing_selects_the_one_rank_client() -> None:
+    config = EngineConfig(
+        data_parallel_size=2, data_parallel_rank=1, data_parallel_external_lb=True
+    )
+    kind = select_client_kind(config, multiprocess=True, blocking=False)
+    assert kind is ClientKind.DP_TRIO_MP
+    assert kind.value == "DPTrioMPClient"
+
+
+def test_external_load_balancing_is_trio_multiprocess_only_for_now() -> None:
     config = EngineConfig(data_parallel_size=2, data_parallel_external_lb=True)
-    with pytest.raises(NotImplementedError, match="coordinator"):
-        select_client_kind(config, multiprocess=True, blocking=False)
+    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
+        select_client_kind(config, multiprocess=True, blocking=True)
 
 
 def test_select_client_kind_takes_keywords_only() -> None:
@@ -105,7 +115,7 @@ def test_open_engine_client_refuses_unsupported_data_parallel_before_launching_a
     before = children_of_this_process()
     with pytest.raises(NotImplementedError, match="data_parallel_size"):
         open_engine_client(EngineConfig(data_parallel_size=2), multiprocess=False)
-    with pytest.raises(NotImplementedError, match="coordinator"):
+    with pytest.raises(ValueError, match="open_coordinator"):
         open_engine_client(EngineConfig(data_parallel_size=2, data_parallel_external_lb=True))
     assert children_of_this_process() == before
 

@@ -70,6 +70,18 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="how long to wait for the client's handshake reply (default: 300)",
     )
+    security = serve.add_argument_group("authentication (CURVE, on tcp:// connections)")
+    security.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="this engine's secret key certificate (NAME.key_secret from "
+        "`trio-enginecore keygen`); requires --curve-server-key",
+    )
+    security.add_argument(
+        "--curve-server-key",
+        metavar="KEY",
+        help="the client's public key: 40 Z85 characters or its NAME.key certificate",
+    )
     defaults = EngineConfig()
     engine = serve.add_argument_group("engine configuration")
     engine.add_argument(
@@ -239,6 +251,16 @@ def _parser() -> argparse.ArgumentParser:
         )
     )
     _bench_parser(commands.add_parser("bench", help="measure the Trio client on your machine"))
+    keygen = commands.add_parser(
+        "keygen",
+        help="write a CURVE key pair for authenticated TCP",
+        description="Write NAME.key (the public key, to give to the other side) and "
+        "NAME.key_secret (both halves, mode 0600, to keep) in DIRECTORY.",
+    )
+    keygen.add_argument("name", help="file name stem, e.g. 'client' or 'engine-3'")
+    keygen.add_argument(
+        "--directory", default=".", help="where to write them (default: the current directory)"
+    )
     coordinator = commands.add_parser(
         "coordinator", help="run the data-parallel coordinator (clients launch it themselves)"
     )
@@ -247,7 +269,18 @@ def _parser() -> argparse.ArgumentParser:
         "--stats-address", required=True, help="address to bind for the engines' counts (PULL)"
     )
     coordinator.add_argument(
+        "--engine-publish-address",
+        required=True,
+        help="address to bind for the engines' START_DP_WAVE subscription (XPUB)",
+    )
+    coordinator.add_argument(
         "--publish-address", required=True, help="address to bind for clients (XPUB)"
+    )
+    coordinator.add_argument(
+        "--min-interval-s",
+        type=float,
+        default=0.1,
+        help="least time between two publications to clients (default: %(default)s)",
     )
     coordinator.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the launching process exits"
@@ -263,6 +296,18 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         parser.error("serve needs either --input-address/--output-address or --handshake-address")
     if attach and len(args.input_address) != len(args.output_address):
         parser.error("give one --output-address per --input-address")
+    curve = None
+    if (args.curve_secret_key is None) != (args.curve_server_key is None):
+        parser.error("--curve-secret-key and --curve-server-key go together")
+    if args.curve_secret_key is not None:
+        from ._curve import CurveClient, CurveKeyPair, load_public_key
+
+        try:
+            curve = CurveClient(
+                CurveKeyPair.load(args.curve_secret_key), load_public_key(args.curve_server_key)
+            )
+        except (OSError, ValueError) as exc:
+            parser.error(f"CURVE keys: {exc}")
     try:
         config = EngineConfig(
             model=args.model,
@@ -293,6 +338,7 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         headless=args.headless,
         handshake_timeout_s=args.handshake_timeout_s,
         exit_with_parent=args.exit_with_parent,
+        curve=curve,
     )
 
 
@@ -304,13 +350,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_serve(parser, args)
     if args.command == "bench":
         return _run_bench(args)
+    if args.command == "keygen":
+        from ._curve import write_key_pair
+
+        public, secret = write_key_pair(args.directory, args.name)
+        print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+        return 0
     if args.command == "coordinator":
+        from .engine._coordinator import CoordinatorAddresses
         from .engine._serve import serve_coordinator
 
         return serve_coordinator(
             engines=args.engines,
-            stats_address=args.stats_address,
-            publish_address=args.publish_address,
+            addresses=CoordinatorAddresses(
+                stats=args.stats_address,
+                engine_publish=args.engine_publish_address,
+                publish=args.publish_address,
+            ),
+            min_interval_s=args.min_interval_s,
             exit_with_parent=args.exit_with_parent,
         )
     import trio

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from ..engine._coordinator import CoordinatorAddresses as CoordinatorAddresses
 from ._base import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
     TrioClientBase as TrioClientBase,
 )
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
+from ._coordination import open_coordinator as open_coordinator
 from ._factory import (
     ClientKind as ClientKind,
     make_client as make_client,
@@ -24,8 +26,10 @@ from ._lb import (
 )
 from ._mp import (
     DPLBTrioMPClient as DPLBTrioMPClient,
+    DPTrioMPClient as DPTrioMPClient,
     TrioMPClient as TrioMPClient,
     connect_engine_client as connect_engine_client,
 )
+from ._remote import RemoteEngines as RemoteEngines
 from ._stream import RequestStream as RequestStream
 from ._sync import EngineCoreClient as EngineCoreClient, SyncMPClient as SyncMPClient

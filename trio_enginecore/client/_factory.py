@@ -7,9 +7,12 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, overload
 
 from ..config import EngineConfig
+from ..engine._coordinator import CoordinatorAddresses
 from ._base import TrioClientBase
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
-from ._mp import TrioMPClient, open_trio_mp_client
+from ._lb import LoadBalancer
+from ._mp import EXTERNAL_LB_NEEDS_COORDINATOR, TrioMPClient, open_trio_mp_client
+from ._remote import RemoteEngines
 from ._sync import EngineCoreClient, SyncMPClient
 
 __all__ = ["ClientKind", "make_client", "open_engine_client", "select_client_kind"]
@@ -19,6 +22,7 @@ class ClientKind(enum.Enum):
     """The client classes a configuration can select."""
 
     TRIO_MP = "TrioMPClient"
+    DP_TRIO_MP = "DPTrioMPClient"
     DPLB_TRIO_MP = "DPLBTrioMPClient"
     TRIO_INPROC = "TrioInprocClient"
     SYNC_MP = "SyncMPClient"
@@ -29,25 +33,23 @@ def select_client_kind(config: EngineConfig, *, multiprocess: bool, blocking: bo
     """Which client serves ``config``: the whole selection logic (pure).
 
     One engine: the Trio or blocking, multiprocess or in-process client asked for.
-    Several (``data_parallel_size > 1``) with internal load balancing: the Trio
-    multiprocess :class:`~trio_enginecore.client.DPLBTrioMPClient`.
+    Several (``data_parallel_size > 1``): the Trio multiprocess
+    :class:`~trio_enginecore.client.DPTrioMPClient` owning rank
+    ``data_parallel_rank`` with external load balancing
+    (``data_parallel_external_lb``), else the
+    :class:`~trio_enginecore.client.DPLBTrioMPClient` balancing over all ranks.
 
     Raises:
-        NotImplementedError: data-parallel configurations whose client is not built
-            yet: external load balancing (``data_parallel_external_lb``, which needs
-            the DP coordinator), and blocking or in-process data-parallel clients.
+        NotImplementedError: blocking or in-process data-parallel clients.
     """
     if config.data_parallel_size > 1:
-        if config.data_parallel_external_lb:
-            raise NotImplementedError(
-                "data_parallel_external_lb=True (one rank per client) needs the DP "
-                "coordinator, which is not available yet; use internal load balancing"
-            )
         if blocking or not multiprocess:
             raise NotImplementedError(
                 f"data_parallel_size={config.data_parallel_size} is supported by the Trio "
                 "multiprocess client only (open_engine_client(config))"
             )
+        if config.data_parallel_external_lb:
+            return ClientKind.DP_TRIO_MP
         return ClientKind.DPLB_TRIO_MP
     if blocking:
         return ClientKind.SYNC_MP if multiprocess else ClientKind.INPROC
@@ -65,6 +67,9 @@ def open_engine_client(
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
     client_index: int = 0,
+    coordinator: CoordinatorAddresses | None = None,
+    load_balancer: LoadBalancer | None = None,
+    remote: RemoteEngines | None = None,
 ) -> AbstractAsyncContextManager[TrioMPClient]: ...
 
 
@@ -79,6 +84,9 @@ def open_engine_client(
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
     client_index: int = 0,
+    coordinator: None = None,
+    load_balancer: None = None,
+    remote: None = None,
 ) -> AbstractAsyncContextManager[TrioInprocClient]: ...
 
 
@@ -93,6 +101,9 @@ def open_engine_client(
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
     client_index: int = 0,
+    coordinator: CoordinatorAddresses | None = None,
+    load_balancer: LoadBalancer | None = None,
+    remote: RemoteEngines | None = None,
 ) -> AbstractAsyncContextManager[TrioClientBase]: ...
 
 
@@ -106,6 +117,9 @@ def open_engine_client(
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
     client_index: int = 0,
+    coordinator: CoordinatorAddresses | None = None,
+    load_balancer: LoadBalancer | None = None,
+    remote: RemoteEngines | None = None,
 ) -> AbstractAsyncContextManager[TrioClientBase]:
     """Open a Trio engine client: ``async with open_engine_client(config) as client:``.
 
@@ -139,22 +153,36 @@ def open_engine_client(
         max_pending_outputs: messages kept for ``get_output()`` before they are
             merged (never dropped).
         client_index: this client's index among the engine's clients.
+        coordinator: data parallel: the addresses of a coordinator shared with other
+            clients (:func:`~trio_enginecore.open_coordinator`); required with
+            external load balancing, optional with internal (which otherwise
+            launches its own).
+        load_balancer: internal load balancing: the policy choosing an engine per
+            request (default :class:`~trio_enginecore.client.LeastLoaded`).
+        remote: launch nothing; the engines start on other hosts
+            (``trio-enginecore serve --headless``) and join over TCP, optionally
+            authenticated with CURVE (see :class:`~trio_enginecore.RemoteEngines`).
 
     Raises:
         EngineStartupError: an engine failed to start or was not ready in time; the
             message names the engine and includes its exit code and last stderr lines.
         NotImplementedError: a configuration whose client is not available yet
             (see :func:`~trio_enginecore.client.select_client_kind`).
-        ValueError: attach addresses with ``multiprocess=False``.
+        ValueError: attach addresses with ``multiprocess=False``; external load
+            balancing without ``coordinator``.
     """
     config = config if config is not None else EngineConfig()
     kind = select_client_kind(config, multiprocess=multiprocess, blocking=False)
     if kind is ClientKind.TRIO_INPROC:
         if input_address is not None or output_address is not None:
             raise ValueError("an in-process client cannot attach to engines at addresses")
+        if coordinator is not None or load_balancer is not None or remote is not None:
+            raise ValueError("coordinator, load_balancer and remote are for multiprocess clients")
         return open_trio_inproc_client(
             config, max_pending_outputs=max_pending_outputs, client_index=client_index
         )
+    if kind is ClientKind.DP_TRIO_MP and coordinator is None:
+        raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
     return open_trio_mp_client(
         config,
         input_address=input_address,
@@ -163,6 +191,9 @@ def open_engine_client(
         shutdown_timeout_s=shutdown_timeout_s,
         max_pending_outputs=max_pending_outputs,
         client_index=client_index,
+        coordinator=coordinator,
+        load_balancer=load_balancer,
+        remote=remote,
     )
 
 

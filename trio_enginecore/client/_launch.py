@@ -17,7 +17,13 @@ from ..config import EngineConfig
 from ..protocol import EngineCoreReadyResponse
 from ._lb import EngineLoad
 
-__all__ = ["EngineHandle", "engine_command", "private_ipc_dir", "serve_arguments"]
+__all__ = [
+    "EngineHandle",
+    "engine_command",
+    "private_ipc_dir",
+    "serve_arguments",
+    "start_engine_process",
+]
 
 logger = logging.getLogger("trio_enginecore.client")
 

@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import shutil
-import subprocess
-import sys
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Final, final
 
+import attrs
 import msgspec
 import trio
 import zmq
 
+from .._curve import CurveRefusal, run_zap_handler
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
+from ..engine._coordinator import CoordinatorAddresses, run_coordinator
 from ..errors import EngineStartupError, ProtocolError
 from ..protocol import (
     ENGINE_CORE_DEAD,
@@ -48,11 +51,18 @@ from ..protocol import (
 )
 from ..serial import MsgpackDecoder, MsgpackEncoder
 from ._base import TrioClientBase, run_client
-from ._launch import EngineHandle, engine_command, private_ipc_dir, start_engine_process
+from ._launch import (
+    EngineHandle,
+    engine_command,
+    private_ipc_dir,
+    start_engine_process,
+)
 from ._lb import LeastLoaded, LoadBalancer
+from ._remote import RemoteEngines
 
 __all__ = [
     "DPLBTrioMPClient",
+    "DPTrioMPClient",
     "TrioMPClient",
     "connect_engine_client",
     "open_trio_mp_client",
@@ -65,6 +75,11 @@ _ABORT: Final = EngineCoreRequestType.ABORT.value
 _UTILITY: Final = EngineCoreRequestType.UTILITY.value
 _MAX_DRAIN_MESSAGES: Final = 256
 _DRAIN_OUTPUTS: Final = 2048
+EXTERNAL_LB_NEEDS_COORDINATOR: Final = (
+    "external load balancing (data_parallel_external_lb) shares one coordinator between "
+    "the clients of a data-parallel group: open one with trio_enginecore.open_coordinator() "
+    "and pass its addresses as coordinator="
+)
 
 
 class TrioMPClient(TrioClientBase):
@@ -100,9 +115,13 @@ class TrioMPClient(TrioClientBase):
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._ipc_dir: str | None = None
         self._handshake_ready: set[bytes] = set()
-        self._coordinator: trio.Process | None = None
-        self._coordinator_stats_address: str | None = None
+        self._subscription: TrioSocket | None = None
+        self._coordinator_addresses: CoordinatorAddresses | None = None
         self._startup_scope: trio.CancelScope | None = None
+        self._remote: RemoteEngines | None = None
+        self._refusals: list[CurveRefusal] = []
+        self._hellos: set[bytes] = set()
+        self._socket_tasks: list[tuple[trio.CancelScope, trio.Event]] = []
 
     # ------------------------------------------------------------ public state
 
@@ -130,6 +149,25 @@ class TrioMPClient(TrioClientBase):
         await self._sock_in().send_multipart(
             [engine.identity, _UTILITY, *self._encoder.encode(call)]
         )
+
+    def _ranks(self) -> range:
+        """The data-parallel ranks this client talks to."""
+        return range(self.config.data_parallel_size)
+
+    async def _join_coordinator(self, nursery: trio.Nursery, *, launch: bool) -> None:
+        """The data-parallel clients subscribe to a coordinator (launching one if asked)."""
+        await trio.lowlevel.checkpoint()
+
+    def _coordinator_fields(self) -> dict[str, str]:
+        """The coordinator's addresses, for the handshake metadata."""
+        addresses = self._coordinator_addresses
+        if addresses is None:
+            return {}
+        return {
+            "coordinator_input": addresses.engine_publish,
+            "coordinator_output": addresses.stats,
+            "frontend_stats_publish_address": addresses.publish,
+        }
 
     def _on_engine_death(self, engine: EngineHandle) -> None:
         if self._startup_scope is not None:
@@ -194,22 +232,36 @@ class TrioMPClient(TrioClientBase):
         input_address: str | None,
         output_address: str | None,
         ready_timeout_s: float,
+        remote: RemoteEngines | None = None,
     ) -> None:
         attach = input_address is not None or output_address is not None
         if attach and (input_address is None or output_address is None):
             raise ValueError("attaching needs both input_address and output_address")
-        count = self.config.data_parallel_size
+        if attach and remote is not None:
+            raise ValueError(
+                "remote engines join through the handshake: give remote= or the attach "
+                "addresses, not both"
+            )
         self._engines = [
-            EngineHandle(rank=rank, identity=rank.to_bytes(2, "little")) for rank in range(count)
+            EngineHandle(rank=rank, identity=rank.to_bytes(2, "little")) for rank in self._ranks()
         ]
-        if not attach:
+        self._remote = remote
+        if remote is not None:
+            if remote.curve is not None:
+                # Before any CURVE socket is bound: without a handler libzmq admits anyone.
+                await nursery.start(
+                    self._run_socket_task,
+                    partial(run_zap_handler, self._ctx, remote.curve.allowed, self._refused),
+                )
+            input_address = output_address = remote.any_port
+        elif not attach:
             self._ipc_dir = private_ipc_dir()
             input_address = f"ipc://{self._ipc_dir}/input"
             output_address = f"ipc://{self._ipc_dir}/output"
         assert input_address is not None
         assert output_address is not None
-        self._input = make_socket(self._ctx, zmq.ROUTER)
-        self._output = make_socket(self._ctx, zmq.PULL)
+        self._input = self._server_socket(zmq.ROUTER)
+        self._output = self._server_socket(zmq.PULL)
         bound_input = self._input.bind(input_address)
         bound_output = self._output.bind(output_address)
         handshake: TrioSocket | None = None
@@ -218,17 +270,16 @@ class TrioMPClient(TrioClientBase):
             with trio.CancelScope() as scope:
                 self._startup_scope = scope
                 with trio.move_on_after(ready_timeout_s) as timeout:
+                    await self._join_coordinator(nursery, launch=not attach)
                     if not attach:
-                        handshake = make_socket(self._ctx, zmq.ROUTER)
-                        handshake_address = handshake.bind(f"ipc://{self._ipc_dir}/handshake")
-                        if count > 1:
-                            await self._start_coordinator(nursery)
-                        for engine in self._engines:
-                            config = self.config.evolve(data_parallel_rank=engine.rank)
-                            await start_engine_process(
-                                engine, engine_command(config, handshake_address), nursery
-                            )
-                            nursery.start_soon(self._watch_process, engine)
+                        handshake = self._server_socket(zmq.ROUTER)
+                        handshake_address = handshake.bind(
+                            remote.handshake_address
+                            if remote is not None
+                            else f"ipc://{self._ipc_dir}/handshake"
+                        )
+                        if remote is None:
+                            await self._launch_engines(nursery, handshake_address)
                         await self._handshake(handshake, bound_input, bound_output)
                     await self._wait_ready()
                     if handshake is not None:
@@ -242,7 +293,45 @@ class TrioMPClient(TrioClientBase):
         if timeout.cancelled_caught or scope.cancelled_caught:
             raise await self._startup_error(ready_timeout_s, bool(timeout.cancelled_caught))
         nursery.start_soon(self._receive_loop)
-        logger.info("client ready: %d engine(s) serving %r", count, self.config.model)
+        logger.info("client ready: %d engine(s) serving %r", len(self._engines), self.config.model)
+
+    async def _launch_engines(self, nursery: trio.Nursery, handshake_address: str) -> None:
+        for engine in self._engines:
+            config = self.config.evolve(data_parallel_rank=engine.rank)
+            await start_engine_process(engine, engine_command(config, handshake_address), nursery)
+            nursery.start_soon(self._watch_process, engine)
+
+    async def _run_socket_task(
+        self,
+        serve: Callable[..., Awaitable[None]],
+        *,
+        task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run ``serve(task_status=...)``, a task owning sockets, so that
+        :meth:`aclose` can stop it before destroying the context."""
+        done = trio.Event()
+        with trio.CancelScope() as scope:
+            self._socket_tasks.append((scope, done))
+            try:
+                await serve(task_status=task_status)
+            finally:
+                done.set()
+
+    def _server_socket(self, socket_type: int) -> TrioSocket:
+        """A socket engines connect to: a CURVE server when remote engines use CURVE."""
+        sock = make_socket(self._ctx, socket_type)
+        if self._remote is not None and self._remote.curve is not None:
+            self._remote.curve.apply(sock)
+        return sock
+
+    def _refused(self, refusal: CurveRefusal) -> None:
+        logger.warning(
+            "refused a connection from %s (public key %s): %s",
+            refusal.address,
+            refusal.public_key,
+            refusal.reason,
+        )
+        self._refusals.append(refusal)
 
     async def _startup_error(self, timeout_s: float, timed_out: bool) -> EngineStartupError:
         details: list[str] = []
@@ -254,8 +343,29 @@ class TrioMPClient(TrioClientBase):
                     await engine.stderr_done.wait()
             if engine.process is not None or not engine.alive:
                 details.append(engine.exit_description())
+            elif self._remote is not None and engine.identity not in self._hellos:
+                details.append(
+                    f"engine rank {engine.rank} (remote) never joined through "
+                    f"{self._remote.handshake_address}"
+                )
+            elif engine.identity in self._hellos and self._coordinator_addresses is not None:
+                details.append(
+                    f"engine rank {engine.rank} joined but is not ready (an engine with a "
+                    "coordinator waits until every rank of its group has joined)"
+                )
             else:
-                details.append(f"engine rank {engine.rank} (attached) never sent its ready message")
+                details.append(f"engine rank {engine.rank} never sent its ready message")
+        if self._refusals:
+            refused = "; ".join(
+                f"{r.address} with public key {r.public_key}: {r.reason}"
+                if r.public_key
+                else f"{r.address}: {r.reason}"
+                for r in self._refusals[-3:]
+            )
+            details.append(
+                f"CURVE authentication refused {len(self._refusals)} connection(s), "
+                f"most recently {refused}"
+            )
         what = f"not ready within {timeout_s:g} s" if timed_out else "failed to start"
         return EngineStartupError(f"engine {what}: " + " | ".join(details))
 
@@ -266,7 +376,7 @@ class TrioMPClient(TrioClientBase):
                 addresses=EngineZmqAddresses(
                     inputs=[input_address],
                     outputs=[output_address],
-                    coordinator_output=self._coordinator_stats_address,
+                    **self._coordinator_fields(),
                 )
             )
         )
@@ -287,6 +397,7 @@ class TrioMPClient(TrioClientBase):
             if engine is None:
                 logger.warning("ignoring a HELLO from unexpected identity %r", identity)
                 continue
+            self._hellos.add(engine.identity)
             await sock.send_multipart([engine.identity, *metadata])
 
     async def _wait_handshake_ready(self, sock: TrioSocket) -> None:
@@ -340,7 +451,13 @@ class TrioMPClient(TrioClientBase):
             self._closing = True
             await self._stop_processes(self.shutdown_timeout_s)
             self._closed = True
-            for sock in (self._input, self._output):
+            # Sockets owned by tasks must be closed by their task before the context
+            # goes (closing a socket under a waiting task breaks the wait).
+            for scope, _ in self._socket_tasks:
+                scope.cancel()
+            for _, done in self._socket_tasks:
+                await done.wait()
+            for sock in (self._input, self._output, self._subscription):
                 if sock is not None:
                     sock.close(linger=0)
             # destroy() also closes any socket a failed startup left behind, with linger
@@ -349,58 +466,8 @@ class TrioMPClient(TrioClientBase):
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-    async def _start_coordinator(self, nursery: trio.Nursery) -> None:
-        """Launch the DP coordinator and subscribe to the counts it publishes."""
-        stats_address = f"ipc://{self._ipc_dir}/coordinator-stats"
-        publish_address = f"ipc://{self._ipc_dir}/coordinator-publish"
-        self._coordinator = await trio.lowlevel.open_process(
-            [
-                sys.executable,
-                "-m",
-                "trio_enginecore",
-                "coordinator",
-                "--exit-with-parent",
-                "--engines",
-                str(len(self._engines)),
-                "--stats-address",
-                stats_address,
-                "--publish-address",
-                publish_address,
-            ],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self._coordinator_stats_address = stats_address
-        subscription = make_socket(self._ctx, zmq.SUB)
-        subscription.raw.setsockopt(zmq.SUBSCRIBE, b"")
-        subscription.connect(publish_address)
-        nursery.start_soon(self._coordinator_loop, subscription)
-
-    async def _coordinator_loop(self, sock: TrioSocket) -> None:
-        """Fold the coordinator's published counts into the engines' loads."""
-        try:
-            while True:
-                for frames in await sock.drain():
-                    try:
-                        counts, _wave, _running = msgspec.msgpack.decode(frames[0])
-                        for engine, (waiting, running, kv_usage) in zip(
-                            self._engines, counts, strict=True
-                        ):
-                            engine.load.waiting = int(waiting)
-                            engine.load.running = int(running)
-                            engine.load.kv_usage = float(kv_usage)
-                    except (msgspec.DecodeError, TypeError, ValueError) as exc:
-                        logger.error("dropping an invalid coordinator message: %s", exc)
-        except trio.ClosedResourceError:
-            if not self._closing:
-                raise
-        finally:
-            sock.close()
-
     async def _stop_processes(self, timeout_s: float) -> None:
         processes = [e.process for e in self._engines if e.process is not None]
-        if self._coordinator is not None:
-            processes.append(self._coordinator)
         for process in processes:
             if process.returncode is None:
                 process.terminate()
@@ -431,6 +498,8 @@ async def open_trio_mp_client(
     max_pending_outputs: int = 64,
     client_index: int = 0,
     load_balancer: LoadBalancer | None = None,
+    coordinator: CoordinatorAddresses | None = None,
+    remote: RemoteEngines | None = None,
 ) -> AsyncGenerator[TrioMPClient, None]:
     """Open a :class:`TrioMPClient`, or with several engines a :class:`DPLBTrioMPClient`
     (see :func:`trio_enginecore.open_engine_client`)."""
@@ -439,6 +508,7 @@ async def open_trio_mp_client(
     client = _new_client(
         config,
         load_balancer=load_balancer,
+        coordinator=coordinator,
         client_index=client_index,
         max_pending_outputs=max_pending_outputs,
         shutdown_timeout_s=shutdown_timeout_s,
@@ -450,39 +520,33 @@ async def open_trio_mp_client(
             input_address=input_address,
             output_address=output_address,
             ready_timeout_s=ready_timeout_s,
+            remote=remote,
         )
 
     async with run_client(client, start) as running:
         yield running
 
 
-@final
-class DPLBTrioMPClient(TrioMPClient):
-    """A Trio client balancing requests over several data-parallel engines.
+class DPTrioMPClient(TrioMPClient):
+    """A Trio client owning one rank of a data-parallel group (external load balancing).
 
     Selected by :func:`~trio_enginecore.open_engine_client` when
-    ``config.data_parallel_size > 1``: it launches that many engines (ranks) and sends
-    each request to the engine its ``load_balancer`` chooses (by default
-    :class:`~trio_enginecore.client.LeastLoaded`, vLLM's score over the client's exact
-    in-flight counts and the waiting/running counts the engines report through a
-    coordinator process launched with them), or to ``request.data_parallel_rank`` when
-    set. Aborts (and the
-    aborts of cancelled streams) go only to the engine that has the request.
-    ``call_utility`` goes to rank 0, ``call_utility_all`` to every engine, and the
-    typed wrappers to every engine, raising
-    :class:`~trio_enginecore.client.EngineConsensusError` if the answers differ.
+    ``config.data_parallel_size > 1`` and ``config.data_parallel_external_lb``: several
+    clients (say, one per API server, with a load balancer in front) each launch and
+    use their own rank, ``config.data_parallel_rank``, and share one coordinator
+    (:func:`~trio_enginecore.open_coordinator`), whose addresses every client is given.
 
-    Failure policy: the client fails as a whole. When one engine dies, its in-flight
-    requests fail with ``EngineDeadError`` at once and every later call raises it;
-    requests on the surviving engines keep streaming until the block ends, and the
-    ``async with`` block then raises one ``EngineDeadError``.
+    The engines of the group move through request *waves* together. The client follows
+    the coordinator's :attr:`current_wave` and :attr:`engines_running`, stamps every
+    request with the wave, and tells the coordinator when it sends a request while the
+    engines are paused, so that the other engines start the wave too.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         *,
-        load_balancer: LoadBalancer | None = None,
+        coordinator: CoordinatorAddresses | None = None,
         client_index: int = 0,
         max_pending_outputs: int = 64,
         abort_timeout_s: float = 1.0,
@@ -495,7 +559,154 @@ class DPLBTrioMPClient(TrioMPClient):
             abort_timeout_s=abort_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
         )
+        self._coordinator_addresses = coordinator
+        self._current_wave: int = 0
+        self._engines_running: bool = False
+        self._wave_changed = trio.Event()
+
+    @property
+    def current_wave(self) -> int:
+        """The request wave the coordinator last published (0 before the first)."""
+        return self._current_wave
+
+    @property
+    def engines_running(self) -> bool:
+        """Whether the engines are in a wave, as last published (or this client started
+        one since)."""
+        return self._engines_running
+
+    async def wait_wave_change(self) -> tuple[int, bool]:
+        """Wait until the coordinator publishes a different wave or running state.
+
+        Returns the new ``(current_wave, engines_running)``. Cancellation leaves
+        nothing changed.
+        """
+        await self._wave_changed.wait()
+        return self._current_wave, self._engines_running
+
+    def _ranks(self) -> range:
+        rank = self.config.data_parallel_rank
+        return range(rank, rank + 1)
+
+    async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        request.current_wave = self._current_wave
+        await super()._transport_add(engine, request)
+        self._wake_engines(engine)
+
+    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        request.current_wave = self._current_wave
+        super()._transport_add_nowait(engine, request)
+        self._wake_engines(engine)
+
+    def _wake_engines(self, engine: EngineHandle) -> None:
+        """A request went to ``engine`` while the engines are paused: have the
+        coordinator start the wave on the others."""
+        if self._engines_running or self._subscription is None:
+            return
+        self._engines_running = True
+        message = msgspec.msgpack.encode((engine.rank, self._current_wave))
+        self._subscription.send_multipart_nowait([message])
+        self._announce_wave_change()
+
+    async def _join_coordinator(self, nursery: trio.Nursery, *, launch: bool) -> None:
+        if self._coordinator_addresses is None:
+            if not launch:
+                await trio.lowlevel.checkpoint()
+                return
+            raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
+        await self._subscribe(nursery, self._coordinator_addresses)
+
+    async def _subscribe(self, nursery: trio.Nursery, addresses: CoordinatorAddresses) -> None:
+        sock = make_socket(self._ctx, zmq.XSUB)
+        try:
+            sock.connect(addresses.publish)
+            await sock.send_multipart([b"\x01"])
+        except BaseException:
+            sock.close()
+            raise
+        self._subscription = sock
+        nursery.start_soon(self._coordinator_loop, sock)
+
+    async def _coordinator_loop(self, sock: TrioSocket) -> None:
+        """Follow the coordinator's publications: loads, wave, running state."""
+        try:
+            while True:
+                for frames in await sock.drain():
+                    try:
+                        self._fold_publication(msgspec.msgpack.decode(frames[0]))
+                    except (msgspec.DecodeError, TypeError, ValueError, IndexError) as exc:
+                        logger.error("dropping an invalid coordinator message: %s", exc)
+        except trio.ClosedResourceError:
+            if not self._closing:
+                raise
+        finally:
+            sock.close()
+
+    def _fold_publication(self, publication: Any) -> None:
+        counts, wave, running = publication
+        if counts is not None:
+            for engine in self._engines:
+                waiting, running_reqs, kv_usage = counts[engine.rank]
+                engine.load.waiting = int(waiting)
+                engine.load.running = int(running_reqs)
+                engine.load.kv_usage = float(kv_usage)
+        new_wave, new_running = int(wave), bool(running)
+        if (new_wave, new_running) != (self._current_wave, self._engines_running):
+            self._current_wave = new_wave
+            self._engines_running = new_running
+            self._announce_wave_change()
+
+    def _announce_wave_change(self) -> None:
+        self._wave_changed.set()
+        self._wave_changed = trio.Event()
+
+
+@final
+class DPLBTrioMPClient(DPTrioMPClient):
+    """A Trio client balancing requests over several data-parallel engines.
+
+    Selected by :func:`~trio_enginecore.open_engine_client` when
+    ``config.data_parallel_size > 1``: it launches that many engines (ranks) and sends
+    each request to the engine its ``load_balancer`` chooses (by default
+    :class:`~trio_enginecore.client.LeastLoaded`, vLLM's score over the client's exact
+    in-flight counts and the waiting/running counts the engines report through a
+    coordinator process launched with them, unless ``coordinator`` names a shared
+    one), or to ``request.data_parallel_rank`` when set. Aborts (and the aborts of
+    cancelled streams) go only to the engine that has the request.
+    ``call_utility`` goes to rank 0, ``call_utility_all`` to every engine, and the
+    typed wrappers to every engine, raising
+    :class:`~trio_enginecore.client.EngineConsensusError` if the answers differ.
+    Request waves are followed as :class:`DPTrioMPClient` does.
+
+    Failure policy: the client fails as a whole. When one engine dies, its in-flight
+    requests fail with ``EngineDeadError`` at once and every later call raises it;
+    requests on the surviving engines keep streaming until the block ends, and the
+    ``async with`` block then raises one ``EngineDeadError``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        load_balancer: LoadBalancer | None = None,
+        coordinator: CoordinatorAddresses | None = None,
+        client_index: int = 0,
+        max_pending_outputs: int = 64,
+        abort_timeout_s: float = 1.0,
+        shutdown_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(
+            config,
+            coordinator=coordinator,
+            client_index=client_index,
+            max_pending_outputs=max_pending_outputs,
+            abort_timeout_s=abort_timeout_s,
+            shutdown_timeout_s=shutdown_timeout_s,
+        )
         self.load_balancer: LoadBalancer = load_balancer or LeastLoaded()
+
+    def _ranks(self) -> range:
+        return range(self.config.data_parallel_size)
 
     def _engine_for(self, request: EngineCoreRequest) -> EngineHandle:
         index = self.load_balancer.choose(
@@ -503,19 +714,59 @@ class DPLBTrioMPClient(TrioMPClient):
         )
         return self._engines[index]
 
+    async def _join_coordinator(self, nursery: trio.Nursery, *, launch: bool) -> None:
+        addresses = self._coordinator_addresses
+        if addresses is None:
+            if not launch:
+                await trio.lowlevel.checkpoint()
+                return
+            if self._remote is not None:
+                # Engines reach it over TCP; this client, in the same context, in-process.
+                addresses = attrs.evolve(
+                    CoordinatorAddresses.on_host(self._remote.host),
+                    publish=f"inproc://coordinator-{secrets.token_hex(8)}",
+                )
+            else:
+                assert self._ipc_dir is not None
+                addresses = CoordinatorAddresses.in_directory(self._ipc_dir)
+            addresses = await nursery.start(
+                self._run_socket_task,
+                partial(
+                    run_coordinator,
+                    self._ctx,
+                    engines=len(self._engines),
+                    addresses=addresses,
+                    curve=self._remote.curve if self._remote is not None else None,
+                ),
+            )
+            self._coordinator_addresses = addresses
+        await self._subscribe(nursery, addresses)
+
 
 def _new_client(
     config: EngineConfig,
     *,
     load_balancer: LoadBalancer | None,
+    coordinator: CoordinatorAddresses | None,
     client_index: int,
     max_pending_outputs: int,
     shutdown_timeout_s: float,
 ) -> TrioMPClient:
-    """One engine: a TrioMPClient; several: a DPLBTrioMPClient balancing over them."""
+    """One engine: a TrioMPClient; several: a DPTrioMPClient owning one of them
+    (external load balancing) or a DPLBTrioMPClient balancing over them all."""
     if config.data_parallel_size == 1:
+        if coordinator is not None:
+            raise ValueError("a coordinator is only used with data_parallel_size > 1")
         return TrioMPClient(
             config,
+            client_index=client_index,
+            max_pending_outputs=max_pending_outputs,
+            shutdown_timeout_s=shutdown_timeout_s,
+        )
+    if config.data_parallel_external_lb:
+        return DPTrioMPClient(
+            config,
+            coordinator=coordinator,
             client_index=client_index,
             max_pending_outputs=max_pending_outputs,
             shutdown_timeout_s=shutdown_timeout_s,
@@ -523,6 +774,7 @@ def _new_client(
     return DPLBTrioMPClient(
         config,
         load_balancer=load_balancer,
+        coordinator=coordinator,
         client_index=client_index,
         max_pending_outputs=max_pending_outputs,
         shutdown_timeout_s=shutdown_timeout_s,
@@ -539,6 +791,8 @@ async def connect_engine_client(
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
     client_index: int = 0,
+    coordinator: CoordinatorAddresses | None = None,
+    remote: RemoteEngines | None = None,
 ) -> TrioMPClient:
     """Start a :class:`TrioMPClient` whose background tasks run in ``nursery``.
 
@@ -554,6 +808,7 @@ async def connect_engine_client(
     client = _new_client(
         config if config is not None else EngineConfig(),
         load_balancer=None,
+        coordinator=coordinator,
         client_index=client_index,
         max_pending_outputs=max_pending_outputs,
         shutdown_timeout_s=shutdown_timeout_s,
@@ -564,6 +819,7 @@ async def connect_engine_client(
             input_address=input_address,
             output_address=output_address,
             ready_timeout_s=ready_timeout_s,
+            remote=remote,
         )
     except BaseException:
         await client.aclose()

@@ -25,6 +25,7 @@ from typing import Any, Final
 import trio
 import zmq
 
+from .._curve import CurveClient
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
 from ..errors import EngineStartupError, ProtocolError
@@ -42,7 +43,9 @@ from ..protocol import (
     UtilityRequest,
 )
 from ..serial import MsgpackDecoder, MsgpackEncoder
+from ._coordinator import COORDINATOR_READY
 from ._core import EngineCore, FatalEngineError
+from ._waves import EngineWaveState
 
 __all__ = ["EngineCoreProc", "engine_handshake"]
 
@@ -58,6 +61,28 @@ REPORT_INTERVAL_S: Final = 0.02
 DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 300.0
 
 
+def connect_socket(
+    ctx: zmq.Context[Any],
+    socket_type: int,
+    address: str,
+    *,
+    curve: CurveClient | None = None,
+    identity: bytes | None = None,
+    linger_ms: int = 0,
+) -> TrioSocket:
+    """A socket connected to ``address``; a CURVE client when ``curve`` is given and
+    the address is TCP (ipc:// stays in a private directory instead)."""
+    sock = make_socket(ctx, socket_type, identity=identity, linger_ms=linger_ms)
+    try:
+        if curve is not None and address.startswith("tcp://"):
+            curve.apply(sock)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def identity_for_rank(rank: int) -> bytes:
     """The DEALER identity of a data-parallel rank, as vLLM defines it."""
     return rank.to_bytes(2, "little")
@@ -70,6 +95,7 @@ async def engine_handshake(
     *,
     headless: bool = False,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    curve: CurveClient | None = None,
 ) -> tuple[TrioSocket, EngineZmqAddresses]:
     """Say HELLO to a frontend and receive the addresses to serve.
 
@@ -79,22 +105,29 @@ async def engine_handshake(
     Raises:
         EngineStartupError: no reply within ``timeout_s``, or an invalid reply.
     """
-    sock = make_socket(
+    sock = connect_socket(
         ctx,
         zmq.DEALER,
+        handshake_address,
+        curve=curve,
         identity=identity_for_rank(config.data_parallel_rank),
         linger_ms=HANDSHAKE_LINGER_MS,
     )
     try:
-        sock.connect(handshake_address)
         hello = HandshakeHello(local=not headless, headless=headless)
         await sock.send_multipart(MsgpackEncoder().encode(hello))
         frames = None
         with trio.move_on_after(timeout_s):
             frames = await sock.recv_multipart()
         if frames is None:
+            hint = (
+                " (with CURVE, also check that the client admits this engine's public key "
+                "and that --curve-server-key is the client's)"
+                if curve is not None and handshake_address.startswith("tcp://")
+                else ""
+            )
             raise EngineStartupError(
-                f"no handshake reply from {handshake_address} within {timeout_s:g} s"
+                f"no handshake reply from {handshake_address} within {timeout_s:g} s{hint}"
             )
         try:
             metadata = MsgpackDecoder(EngineHandshakeMetadata).decode(frames)
@@ -114,12 +147,19 @@ class EngineCoreProc:
         ctx: the ZeroMQ context to create sockets in. The caller terminates it after
             :meth:`run` returns (outside Trio: terminating waits for queued outputs).
         core: the core to serve; by default one built from ``config``.
+        curve: authenticate to the client with CURVE on every TCP connection.
     """
 
     def __init__(
-        self, config: EngineConfig, ctx: zmq.Context[Any], core: EngineCore | None = None
+        self,
+        config: EngineConfig,
+        ctx: zmq.Context[Any],
+        core: EngineCore | None = None,
+        *,
+        curve: CurveClient | None = None,
     ) -> None:
         self.config = config
+        self._curve = curve
         self.core = core if core is not None else EngineCore(config)
         self._ctx = ctx
         self._encoder = MsgpackEncoder()
@@ -132,7 +172,9 @@ class EngineCoreProc:
         self._work = trio.Event()
         self._draining = False
         self._drain_deadline = math.inf
-        self.current_wave = 0
+        self.waves = EngineWaveState(config.data_parallel_rank)
+        self._coordinator: TrioSocket | None = None
+        self._start_wave: int | None = None
 
     # -------------------------------------------------------------------- running
 
@@ -155,15 +197,17 @@ class EngineCoreProc:
         rank = self.config.data_parallel_rank
         inputs: list[TrioSocket] = []
         try:
+            if addresses.coordinator_output is not None:
+                self._coordinator = self._connect(zmq.PUSH, addresses.coordinator_output)
+            if addresses.coordinator_input is not None:
+                # START_DP_WAVE broadcasts arrive like requests: an input socket.
+                inputs.append(await self._join_coordinator(addresses.coordinator_input))
             for address in addresses.outputs:
-                sock = make_socket(self._ctx, zmq.PUSH, linger_ms=OUTPUT_LINGER_MS)
-                self._outputs.append(sock)
-                sock.connect(address)
+                self._outputs.append(self._connect(zmq.PUSH, address, linger_ms=OUTPUT_LINGER_MS))
             ready = self._encoder.encode(self.core.ready_response())
             for address in addresses.inputs:
-                sock = make_socket(self._ctx, zmq.DEALER, identity=identity_for_rank(rank))
+                sock = self._connect(zmq.DEALER, address, identity=identity_for_rank(rank))
                 inputs.append(sock)
-                sock.connect(address)
                 # The ready message is what lets the client's ROUTER route to us.
                 await sock.send_multipart(ready)
             if handshake_socket is not None:
@@ -181,11 +225,8 @@ class EngineCoreProc:
             async with trio.open_nursery() as nursery:
                 for sock in inputs:
                     nursery.start_soon(self._input_loop, sock)
-                if addresses.coordinator_output is not None:
-                    stats = make_socket(self._ctx, zmq.PUSH)
-                    inputs.append(stats)  # closed with the others
-                    stats.connect(addresses.coordinator_output)
-                    nursery.start_soon(self._report_loop, stats)
+                if self._coordinator is not None:
+                    nursery.start_soon(self._report_loop, self._coordinator)
                 await self._busy_loop()
                 nursery.cancel_scope.cancel()
         except* FatalEngineError:
@@ -194,6 +235,8 @@ class EngineCoreProc:
         finally:
             for sock in (*inputs, *self._outputs):
                 sock.close()
+            if self._coordinator is not None:
+                self._coordinator.close()
 
     @property
     def draining(self) -> bool:
@@ -216,12 +259,46 @@ class EngineCoreProc:
             )
         self._work.set()
 
+    def _connect(
+        self, socket_type: int, address: str, *, identity: bytes | None = None, linger_ms: int = 0
+    ) -> TrioSocket:
+        return connect_socket(
+            self._ctx,
+            socket_type,
+            address,
+            curve=self._curve,
+            identity=identity,
+            linger_ms=linger_ms,
+        )
+
     # ---------------------------------------------------------------- input side
+
+    async def _join_coordinator(self, address: str) -> TrioSocket:
+        """Subscribe to the coordinator's START_DP_WAVE broadcasts.
+
+        Returns once the coordinator said READY (it does when every engine of the group
+        has subscribed), so that no broadcast can be missed.
+        """
+        sock = self._connect(zmq.XSUB, address)
+        try:
+            await sock.send_multipart([b"\x01"])
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) == 1 and frames[0] == COORDINATOR_READY:
+                    return sock
+                logger.warning(
+                    "ignoring a %d-frame message before the coordinator's READY", len(frames)
+                )
+        except BaseException:
+            sock.close()
+            raise
 
     async def _input_loop(self, sock: TrioSocket) -> None:
         while True:
             batch = await sock.drain(copy_leading=2)
             for frames in batch:
+                if len(frames) == 1 and frames[0] == COORDINATOR_READY:
+                    continue  # repeated for an engine that joined late
                 self._handle_input(frames)
             self._work.set()
 
@@ -247,9 +324,11 @@ class EngineCoreProc:
             self._handle_utility(payload)
         elif request_type is EngineCoreRequestType.START_DP_WAVE:
             try:
-                self.current_wave = max(self.current_wave, self._wave_decoder.decode(payload).wave)
+                start = self._wave_decoder.decode(payload)
             except ProtocolError as exc:
                 logger.error("dropping an invalid START_DP_WAVE: %s", exc)
+            else:
+                self.waves.on_start_wave(start.wave, start.exclude_engine_index)
         else:
             logger.error("dropping an engine-internal request type %s from the wire", request_type)
 
@@ -267,6 +346,9 @@ class EngineCoreProc:
                 request.request_id, request.client_index, "the engine is shutting down"
             )
             return
+        start = self.waves.on_request(request.current_wave)
+        if start is not None:
+            self._start_wave = start
         self.core.add_request(request)
 
     def _handle_utility(self, payload: Frames) -> None:
@@ -305,6 +387,8 @@ class EngineCoreProc:
             # Replies first: they are cheap, latency-sensitive, and must not be lost if
             # the step that follows fails fatally.
             await self._send_utility_replies()
+            if self._coordinator is not None:
+                await self._report_waves(self._coordinator)
             if core.can_step:
                 messages = core.step()
                 for client_index, outputs in messages.items():
@@ -324,13 +408,29 @@ class EngineCoreProc:
                 await self._work.wait()
             self._work = trio.Event()
 
+    async def _report_waves(self, sock: TrioSocket) -> None:
+        """Tell the coordinator to start a wave, or that ours is complete."""
+        report = None
+        if self._start_wave is not None:
+            report = EngineCoreOutputs(start_wave=self._start_wave)
+            self._start_wave = None
+        elif self.core.num_requests == 0 and (done := self.waves.on_idle()) is not None:
+            report = EngineCoreOutputs(wave_complete=done)
+        if report is not None:
+            report.engine_index = self.config.data_parallel_rank
+            await sock.send_multipart(self._encoder.encode(report))
+
     async def _report_loop(self, sock: TrioSocket) -> None:
         """Tell the DP coordinator our request counts whenever they change."""
         last: tuple[int, int] | None = None
         while True:
             counts = (self.core.num_waiting, self.core.num_running)
             if counts != last:
-                stats = SchedulerStats(num_waiting_reqs=counts[0], num_running_reqs=counts[1])
+                stats = SchedulerStats(
+                    num_waiting_reqs=counts[0],
+                    num_running_reqs=counts[1],
+                    current_wave=self.waves.current_wave,
+                )
                 report = EngineCoreOutputs(
                     engine_index=self.config.data_parallel_rank, scheduler_stats=stats
                 )

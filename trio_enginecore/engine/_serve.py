@@ -14,8 +14,10 @@ from typing import Any, cast
 import trio
 import zmq
 
+from .._curve import CurveClient
 from ..config import EngineConfig
 from ..errors import EngineStartupError
+from ._coordinator import CoordinatorAddresses, run_coordinator
 from ._core import FatalEngineError
 from ._proc import EngineCoreProc, addresses_for, engine_handshake
 
@@ -38,8 +40,9 @@ async def _serve(
     headless: bool,
     handshake_timeout_s: float,
     exit_with_parent: bool,
+    curve: CurveClient | None,
 ) -> None:
-    engine = EngineCoreProc(config, ctx)
+    engine = EngineCoreProc(config, ctx, curve=curve)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -59,7 +62,12 @@ async def _serve(
             handshake_socket = None
             if handshake_address is not None:
                 handshake_socket, addresses = await engine_handshake(
-                    ctx, config, handshake_address, headless=headless, timeout_s=handshake_timeout_s
+                    ctx,
+                    config,
+                    handshake_address,
+                    headless=headless,
+                    timeout_s=handshake_timeout_s,
+                    curve=curve,
                 )
             else:
                 addresses = addresses_for(inputs, outputs)
@@ -103,6 +111,7 @@ def serve(
     headless: bool = False,
     handshake_timeout_s: float = 300.0,
     exit_with_parent: bool = False,
+    curve: CurveClient | None = None,
 ) -> int:
     """Run an engine until it is drained; return the process exit code."""
     ctx: zmq.Context[Any] = zmq.Context()
@@ -118,6 +127,7 @@ def serve(
                 headless=headless,
                 handshake_timeout_s=handshake_timeout_s,
                 exit_with_parent=exit_with_parent,
+                curve=curve,
             )
         )
     except* FatalEngineError as group:
@@ -138,10 +148,13 @@ def serve(
 
 
 def serve_coordinator(
-    *, engines: int, stats_address: str, publish_address: str, exit_with_parent: bool
+    *,
+    engines: int,
+    addresses: CoordinatorAddresses,
+    min_interval_s: float,
+    exit_with_parent: bool,
 ) -> int:
     """Run the data-parallel coordinator until SIGTERM/SIGINT; return the exit code."""
-    from ._coordinator import run_coordinator
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -150,10 +163,7 @@ def serve_coordinator(
                     nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
                 nursery.start_soon(
                     lambda: run_coordinator(
-                        ctx,
-                        engines=engines,
-                        stats_address=stats_address,
-                        publish_address=publish_address,
+                        ctx, engines=engines, addresses=addresses, min_interval_s=min_interval_s
                     )
                 )
                 async for _ in signals:

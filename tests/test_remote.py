@@ -1,0 +1,333 @@
+"""Engines on other hosts: headless engines joining over TCP, authenticated with CURVE.
+
+The engines here are real `trio-enginecore serve --headless` processes started by the
+test (as an operator would on another host), joining a client over 127.0.0.1, and in
+the last test from their own network namespace across a veth link.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_enginecore import (
+    EngineConfig,
+    EngineStartupError,
+    RemoteEngines,
+    TrioMPClient,
+    open_engine_client,
+)
+from trio_enginecore._curve import (
+    CurveKeyPair,
+    CurveRefusal,
+    CurveServer,
+    _answer,  # pyright: ignore[reportPrivateUsage]
+    load_public_key,
+    write_key_pair,
+)
+from trio_enginecore.client import DPLBTrioMPClient
+from trio_enginecore.client._launch import serve_arguments
+
+from .support import expected, request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Keys:
+    """A client key pair and one per engine, written as `trio-enginecore keygen` does."""
+
+    def __init__(self, directory: Path, engines: int) -> None:
+        self.client_public, self.client_secret = write_key_pair(directory, "client")
+        self.engines = [write_key_pair(directory, f"engine-{rank}") for rank in range(engines)]
+        self.stranger = write_key_pair(directory, "stranger")
+
+    def server(self) -> CurveServer:
+        return CurveServer.from_files(self.client_secret, [public for public, _ in self.engines])
+
+
+def headless_command(
+    config: EngineConfig,
+    handshake_address: str,
+    *,
+    secret_key: Path | None = None,
+    server_key: Path | None = None,
+    prefix: Sequence[str] = (),
+) -> list[str]:
+    command = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "trio_enginecore",
+        "serve",
+        "--headless",
+        "--handshake-address",
+        handshake_address,
+        "--handshake-timeout-s",
+        "30",
+        *serve_arguments(config),
+    ]
+    if secret_key is not None and server_key is not None:
+        command += ["--curve-secret-key", str(secret_key), "--curve-server-key", str(server_key)]
+    return command
+
+
+@asynccontextmanager
+async def running(commands: list[list[str]]) -> AsyncGenerator[list[trio.Process], None]:
+    """Engines started by hand; stopped with SIGTERM (they drain) when the block ends."""
+    processes = [
+        await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL) for command in commands
+    ]
+    try:
+        yield processes
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(10):
+                for process in processes:
+                    await process.wait()
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+
+
+async def generate_all(client: TrioMPClient, count: int) -> None:
+    async def one(i: int) -> None:
+        tokens: list[int] = []
+        async with client.stream(request(f"r{i}", [i + 1], 8)) as outputs:
+            async for output in outputs:
+                tokens += output.new_token_ids
+        assert tokens == expected([i + 1], 8)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+            nursery.start_soon(one, i)
+
+
+# ------------------------------------------------------------ pure parts
+
+
+def test_remote_engines_bind_an_explicit_address_unless_told_otherwise() -> None:
+    with pytest.raises(ValueError, match="every network interface"):
+        RemoteEngines("tcp://0.0.0.0:5555")
+    with pytest.raises(ValueError, match="every network interface"):
+        RemoteEngines("tcp://*:5555")
+    assert RemoteEngines("tcp://*:5555", all_interfaces=True).any_port == "tcp://*:*"
+    with pytest.raises(ValueError, match="over TCP"):
+        RemoteEngines("ipc:///tmp/x")
+    with pytest.raises(ValueError, match="port number"):
+        RemoteEngines("tcp://127.0.0.1")
+    remote = RemoteEngines("tcp://10.1.2.3:7000")
+    assert (remote.host, remote.any_port) == ("10.1.2.3", "tcp://10.1.2.3:*")
+
+
+def test_key_files_round_trip_and_the_secret_stays_out_of_repr(tmp_path: Path) -> None:
+    public, secret = write_key_pair(tmp_path, "engine")
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    pair = CurveKeyPair.load(secret)
+    assert load_public_key(public) == pair.public
+    assert load_public_key(pair.public.decode()) == pair.public
+    assert pair.secret.decode() not in repr(pair)
+    with pytest.raises(ValueError, match="no secret key"):
+        CurveKeyPair.load(public)
+    with pytest.raises(ValueError, match="40-character"):
+        load_public_key(b"short")
+
+
+def test_the_zap_handler_admits_only_allowed_curve_keys() -> None:
+    allowed = CurveKeyPair.generate()
+    other = CurveKeyPair.generate()
+    refusals: list[CurveRefusal] = []
+
+    def ask(mechanism: bytes, key: CurveKeyPair | None) -> list[bytes]:
+        from zmq.utils import z85
+
+        credentials = [z85.decode(key.public)] if key is not None else []
+        frames = [b"1.0", b"id", b"", b"10.0.0.2", b"", mechanism, *credentials]
+        return _answer(frames, frozenset({allowed.public}), refusals.append)
+
+    assert ask(b"CURVE", allowed)[2] == b"200"
+    assert ask(b"CURVE", other)[2] == b"400"
+    assert ask(b"NULL", None)[2] == b"400"
+    assert _answer([b"2.0", b"id"], frozenset(), refusals.append)[2] == b"500"
+    assert [r.public_key for r in refusals] == [other.public.decode(), None]
+    assert all(r.address == "10.0.0.2" for r in refusals)
+
+
+# -------------------------------------------------------- over 127.0.0.1
+
+
+async def test_headless_engines_join_over_tcp_with_curve_and_requests_flow(
+    tmp_path: Path,
+) -> None:
+    keys = Keys(tmp_path, engines=2)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(data_parallel_size=2)
+    commands = [
+        headless_command(
+            config.evolve(data_parallel_rank=rank),
+            address,
+            secret_key=keys.engines[rank][1],
+            server_key=keys.client_public,
+        )
+        for rank in range(2)
+    ]
+    with trio.fail_after(60):
+        async with running(commands):
+            remote = RemoteEngines(address, curve=keys.server())
+            async with open_engine_client(config, remote=remote) as client:
+                assert isinstance(client, DPLBTrioMPClient)
+                assert client.engine_pids == (None, None)  # nothing launched here
+                await generate_all(client, 60)
+                per_engine = await client.get_request_counts_per_engine()
+                assert per_engine == [(0, 0), (0, 0)]
+                # The coordinator ran waves over TCP too, and ended them.
+                while client.engines_running or client.current_wave < 1:
+                    await client.wait_wave_change()
+
+
+async def test_an_engine_with_a_key_not_allowed_is_refused_and_named(tmp_path: Path) -> None:
+    keys = Keys(tmp_path, engines=2)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(data_parallel_size=2)
+    commands = [
+        headless_command(
+            config.evolve(data_parallel_rank=0),
+            address,
+            secret_key=keys.engines[0][1],
+            server_key=keys.client_public,
+        ),
+        headless_command(
+            config.evolve(data_parallel_rank=1),
+            address,
+            secret_key=keys.stranger[1],  # not in the client's allow-list
+            server_key=keys.client_public,
+        ),
+    ]
+    with trio.fail_after(60):
+        async with running(commands):
+            remote = RemoteEngines(address, curve=keys.server())
+            with pytest.raises(EngineStartupError) as caught:
+                async with open_engine_client(config, remote=remote, ready_timeout_s=3):
+                    pytest.fail("the client must not start with an unauthenticated rank")
+    message = str(caught.value)
+    assert "engine rank 1 (remote) never joined" in message
+    assert "engine rank 0 joined but is not ready" in message
+    stranger = load_public_key(keys.stranger[0]).decode()
+    assert f"public key {stranger}: public key not in the allow-list" in message
+
+
+async def test_missing_remote_ranks_are_named_after_the_timeout() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(data_parallel_size=3)
+    commands = [headless_command(config.evolve(data_parallel_rank=1), address)]
+    with trio.fail_after(60):
+        async with running(commands):
+            with pytest.raises(EngineStartupError) as caught:
+                async with open_engine_client(
+                    config, remote=RemoteEngines(address), ready_timeout_s=2
+                ):
+                    pytest.fail("two ranks are missing")
+    message = str(caught.value)
+    assert "engine rank 0 (remote) never joined" in message
+    assert "engine rank 2 (remote) never joined" in message
+    # The one that came waits for the coordinator's READY, which needs all three.
+    assert "engine rank 1 (remote) never joined" not in message
+
+
+# ------------------------------------------------- across a network namespace
+
+
+def _netns_unavailable() -> str | None:
+    if sys.platform != "linux":
+        return "network namespaces are Linux-only"
+    if os.geteuid() != 0:
+        return "creating a network namespace needs root"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    probe = f"tec-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.decode().strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+@pytest.fixture
+def veth_namespace() -> tuple[str, str, str]:
+    """A network namespace joined to this one by a veth pair: (netns, host ip, ns ip)."""
+    reason = _netns_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    tag = os.getpid() % 100_000
+    netns, outer, inner = f"tec-{tag}", f"tecA{tag}", f"tecB{tag}"
+    subnet = 16 + tag % 200
+    host_ip, ns_ip = f"10.213.{subnet}.1", f"10.213.{subnet}.2"
+    steps = [
+        ["ip", "netns", "add", netns],
+        ["ip", "link", "add", outer, "type", "veth", "peer", "name", inner],
+        ["ip", "link", "set", inner, "netns", netns],
+        ["ip", "addr", "add", f"{host_ip}/30", "dev", outer],
+        ["ip", "link", "set", outer, "up"],
+        ["ip", "netns", "exec", netns, "ip", "addr", "add", f"{ns_ip}/30", "dev", inner],
+        ["ip", "netns", "exec", netns, "ip", "link", "set", inner, "up"],
+        ["ip", "netns", "exec", netns, "ip", "link", "set", "lo", "up"],
+    ]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True)
+        yield netns, host_ip, ns_ip  # type: ignore[misc]
+    finally:
+        subprocess.run(["ip", "link", "del", outer], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "del", netns], check=False, capture_output=True)
+
+
+async def test_an_engine_in_another_network_namespace_joins_across_a_veth_link(
+    tmp_path: Path, veth_namespace: tuple[str, str, str]
+) -> None:
+    netns, host_ip, _ = veth_namespace
+    keys = Keys(tmp_path, engines=1)
+    address = f"tcp://{host_ip}:{free_port(host_ip)}"
+    config = EngineConfig()
+    in_netns = ["ip", "netns", "exec", netns]
+    remote = RemoteEngines(address, curve=keys.server())
+    with trio.fail_after(90):
+        # A stranger's key is refused across the link too...
+        stranger = headless_command(
+            config,
+            address,
+            secret_key=keys.stranger[1],
+            server_key=keys.client_public,
+            prefix=in_netns,
+        )
+        async with running([stranger]):
+            with pytest.raises(EngineStartupError, match="not in the allow-list"):
+                async with open_engine_client(config, remote=remote, ready_timeout_s=3):
+                    pytest.fail("a stranger must not be admitted")
+        # ...and the engine with an allowed key serves.
+        allowed = headless_command(
+            config,
+            address,
+            secret_key=keys.engines[0][1],
+            server_key=keys.client_public,
+            prefix=in_netns,
+        )
+        async with running([allowed]), open_engine_client(config, remote=remote) as client:
+            await generate_all(client, 40)

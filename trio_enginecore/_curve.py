@@ -1,0 +1,215 @@
+"""ZeroMQ CURVE for TCP sockets: key pairs, the two roles, and a Trio ZAP handler.
+
+The client is the CURVE *server* of every connection (it binds; engines connect): it
+holds a key pair and an allow-list of engine public keys, enforced by a ZAP handler
+running as a Trio task in the client's context. An engine is a CURVE *client*: it holds
+its own key pair and the client's public key, so it talks only to that client and
+nobody on the path can read or alter the traffic.
+
+Keys are Z85 text (40 characters), stored in ZeroMQ's certificate files
+(``NAME.key`` public, ``NAME.key_secret`` both halves) as ``trio-enginecore keygen``
+writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import trio
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+from ._zmq import TrioSocket, make_socket
+
+__all__ = [
+    "CurveClient",
+    "CurveKeyPair",
+    "CurveRefusal",
+    "CurveServer",
+    "load_public_key",
+    "run_zap_handler",
+    "write_key_pair",
+]
+
+logger = logging.getLogger("trio_enginecore.curve")
+
+ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
+_ZAP_VERSION: Final = b"1.0"
+_KEY_LENGTH: Final = 40
+
+
+def _public_key(key: bytes) -> bytes:
+    return _check_key(key, "the public key")
+
+
+def _secret_key(key: bytes) -> bytes:
+    return _check_key(key, "the secret key")
+
+
+def _server_key(key: bytes) -> bytes:
+    return _check_key(key, "the server key")
+
+
+def _public_keys(keys: Iterable[str | bytes | os.PathLike[str]]) -> frozenset[bytes]:
+    return frozenset(load_public_key(k) for k in keys)
+
+
+def _check_key(key: bytes, what: str) -> bytes:
+    if len(key) != _KEY_LENGTH:
+        raise ValueError(f"{what} must be a 40-character Z85 CURVE key, got {len(key)} bytes")
+    try:
+        z85.decode(key)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{what} is not valid Z85: {exc}") from exc
+    return key
+
+
+@attrs.frozen(repr=False)
+class CurveKeyPair:
+    """A CURVE key pair (Z85). The secret half is kept out of ``repr``."""
+
+    public: bytes = attrs.field(converter=_public_key)
+    secret: bytes = attrs.field(converter=_secret_key)
+
+    def __repr__(self) -> str:
+        return f"CurveKeyPair(public={self.public.decode()!r}, secret=<hidden>)"
+
+    @classmethod
+    def generate(cls) -> CurveKeyPair:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CurveKeyPair:
+        """Read a secret certificate file (``NAME.key_secret``).
+
+        Raises:
+            ValueError: the file holds no secret key (a public certificate?).
+            OSError: it cannot be read.
+        """
+        public, secret = zmq.auth.load_certificate(path)  # pyright: ignore[reportUnknownMemberType]
+        if secret is None:
+            raise ValueError(f"{os.fspath(path)} holds no secret key (is it the public .key file?)")
+        return cls(public, secret)
+
+
+def load_public_key(source: str | bytes | os.PathLike[str]) -> bytes:
+    """A public key given as Z85 text or as the path of a certificate file."""
+    if isinstance(source, bytes):
+        return _check_key(source, "the public key")
+    if isinstance(source, str) and len(source) == _KEY_LENGTH and not os.path.exists(source):
+        return _check_key(source.encode("ascii"), "the public key")
+    public, _ = zmq.auth.load_certificate(source)  # pyright: ignore[reportUnknownMemberType]
+    return _check_key(public, f"the public key in {os.fspath(source)}")
+
+
+def write_key_pair(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (mode 0600) in ``directory``.
+
+    Returns the two paths.
+    """
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)  # pyright: ignore[reportUnknownMemberType]
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+@attrs.frozen
+class CurveServer:
+    """The client's side: its key pair and the engines' public keys it admits."""
+
+    keys: CurveKeyPair
+    allowed: frozenset[bytes] = attrs.field(converter=_public_keys)
+
+    @classmethod
+    def from_files(
+        cls, secret_file: str | os.PathLike[str], allowed: Iterable[str | bytes | os.PathLike[str]]
+    ) -> CurveServer:
+        """Load the key pair from a secret certificate; ``allowed`` holds Z85 keys or
+        certificate paths."""
+        return cls(CurveKeyPair.load(secret_file), _public_keys(allowed))
+
+    def apply(self, sock: TrioSocket) -> None:
+        """Make ``sock`` (not bound yet) a CURVE server."""
+        raw = sock.raw
+        raw.curve_server = True
+        raw.curve_secretkey = self.keys.secret
+        raw.curve_publickey = self.keys.public
+
+
+@attrs.frozen
+class CurveClient:
+    """An engine's side: its key pair and the public key of the client it joins."""
+
+    keys: CurveKeyPair
+    server_key: bytes = attrs.field(converter=_server_key)
+
+    def apply(self, sock: TrioSocket) -> None:
+        """Make ``sock`` (not connected yet) a CURVE client of the server."""
+        raw = sock.raw
+        raw.curve_serverkey = self.server_key
+        raw.curve_publickey = self.keys.public
+        raw.curve_secretkey = self.keys.secret
+
+
+@attrs.frozen
+class CurveRefusal:
+    """A connection the ZAP handler refused."""
+
+    address: str
+    public_key: str | None
+    reason: str
+
+
+async def run_zap_handler(
+    ctx: zmq.Context[Any],
+    allowed: frozenset[bytes],
+    on_refusal: Callable[[CurveRefusal], None],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer ZeroMQ's authentication requests for ``ctx`` until cancelled.
+
+    Admits CURVE connections whose public key is in ``allowed``; refuses everything
+    else (other mechanisms included) and reports each refusal to ``on_refusal``. Reports
+    started once bound: CURVE server sockets must be bound after that, or libzmq admits
+    their peers unchecked.
+    """
+    sock = make_socket(ctx, zmq.REP)
+    try:
+        sock.bind(ZAP_ENDPOINT)
+        task_status.started()
+        while True:
+            frames = [bytes(f) for f in await sock.recv_multipart()]
+            reply = _answer(frames, allowed, on_refusal)
+            await sock.send_multipart(reply)
+    finally:
+        sock.close()
+
+
+def _answer(
+    frames: list[bytes], allowed: frozenset[bytes], on_refusal: Callable[[CurveRefusal], None]
+) -> list[bytes]:
+    """The ZAP reply (RFC 27) to one request (pure)."""
+    if len(frames) < 6 or frames[0] != _ZAP_VERSION:
+        request_id = frames[1] if len(frames) > 1 else b""
+        return [_ZAP_VERSION, request_id, b"500", b"invalid ZAP request", b"", b""]
+    request_id, address, mechanism = frames[1], frames[3], frames[5]
+    credentials = frames[6:]
+    peer = address.decode("ascii", "replace")
+    if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+        reason = f"mechanism {mechanism.decode('ascii', 'replace')}, CURVE required"
+        on_refusal(CurveRefusal(peer, None, reason))
+        return [_ZAP_VERSION, request_id, b"400", reason.encode(), b"", b""]
+    key = z85.encode(credentials[0])
+    if key not in allowed:
+        reason = "public key not in the allow-list"
+        on_refusal(CurveRefusal(peer, key.decode("ascii"), reason))
+        return [_ZAP_VERSION, request_id, b"400", reason.encode(), b"", b""]
+    return [_ZAP_VERSION, request_id, b"200", b"OK", key, b""]

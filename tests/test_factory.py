@@ -76,16 +76,20 @@ def test_data_parallel_with_internal_load_balancing_selects_the_dplb_client() ->
     assert kind.value == "DPLBTrioMPClient"
 
 
-@pytest.mark.parametrize(
-    ("multiprocess", "blocking"), [(False, False), (True, True), (False, True)]
-)
-def test_data_parallel_is_trio_multiprocess_only_for_now(
-    multiprocess: bool, blocking: bool
-) -> None:
+@pytest.mark.parametrize("blocking", [False, True])
+def test_data_parallel_needs_engine_processes(blocking: bool) -> None:
     with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
         select_client_kind(
-            EngineConfig(data_parallel_size=2), multiprocess=multiprocess, blocking=blocking
+            EngineConfig(data_parallel_size=2), multiprocess=False, blocking=blocking
         )
+
+
+@pytest.mark.parametrize("external_lb", [False, True])
+def test_blocking_data_parallel_is_the_sync_client_around_the_dp_client(
+    external_lb: bool,
+) -> None:
+    config = EngineConfig(data_parallel_size=2, data_parallel_external_lb=external_lb)
+    assert select_client_kind(config, multiprocess=True, blocking=True) is ClientKind.SYNC_MP
 
 
 def test_data_parallel_with_external_load_balancing_selects_the_one_rank_client() -> None:
@@ -97,10 +101,10 @@ def test_data_parallel_with_external_load_balancing_selects_the_one_rank_client(
     assert kind.value == "DPTrioMPClient"
 
 
-def test_external_load_balancing_is_trio_multiprocess_only_for_now() -> None:
+def test_external_load_balancing_needs_engine_processes() -> None:
     config = EngineConfig(data_parallel_size=2, data_parallel_external_lb=True)
     with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
-        select_client_kind(config, multiprocess=True, blocking=True)
+        select_client_kind(config, multiprocess=False, blocking=False)
 
 
 def test_select_client_kind_takes_keywords_only() -> None:
@@ -175,14 +179,23 @@ def test_make_client_in_process_takes_no_options() -> None:
         make_client(multiprocess=False, ready_timeout_s=1)
 
 
-@pytest.mark.parametrize("multiprocess", [False, True])
-def test_make_client_refuses_data_parallel_before_launching_anything(
-    multiprocess: bool,
-) -> None:
+def test_make_client_refuses_in_process_data_parallel_before_launching_anything() -> None:
     before = children_of_this_process()
     with pytest.raises(NotImplementedError, match="data_parallel_size"):
-        make_client(EngineConfig(data_parallel_size=2), multiprocess=multiprocess)
+        make_client(EngineConfig(data_parallel_size=2), multiprocess=False)
     assert children_of_this_process() == before
+
+
+def test_make_client_with_data_parallel_runs_the_dp_client_on_its_thread() -> None:
+    config = EngineConfig(data_parallel_size=2)
+    with make_client(config) as client:
+        assert isinstance(client, SyncMPClient)
+        assert len([pid for pid in client.engine_pids if pid]) == 2
+        for i in range(6):
+            assert generate(client, f"r{i}", [i + 3], 5) == CounterModel.expected_tokens([i + 3], 5)
+        # Both engines answer utility calls, and they agree.
+        assert client.is_sleeping() is False
+    assert children_of_this_process() == []
 
 
 def test_make_client_in_process_gives_a_working_inproc_client() -> None:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from . import errors as errors, protocol as protocol, serial as serial
+from ._curve import (
+    CurveClient as CurveClient,
+    CurveKeyPair as CurveKeyPair,
+    CurveServer as CurveServer,
+)
 from .client import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
@@ -58,6 +63,9 @@ __all__ = [
     "AsyncEngineCoreClient",
     "ClientStatistics",
     "CoordinatorAddresses",
+    "CurveClient",
+    "CurveKeyPair",
+    "CurveServer",
     "EngineConfig",
     "EngineCoreClient",
     "EngineCoreError",

@@ -37,17 +37,22 @@ def select_client_kind(config: EngineConfig, *, multiprocess: bool, blocking: bo
     :class:`~trio_enginecore.client.DPTrioMPClient` owning rank
     ``data_parallel_rank`` with external load balancing
     (``data_parallel_external_lb``), else the
-    :class:`~trio_enginecore.client.DPLBTrioMPClient` balancing over all ranks.
+    :class:`~trio_enginecore.client.DPLBTrioMPClient` balancing over all ranks. The
+    blocking :class:`~trio_enginecore.SyncMPClient` runs whichever of those the
+    configuration selects on its thread, so it serves data parallelism too.
 
     Raises:
-        NotImplementedError: blocking or in-process data-parallel clients.
+        NotImplementedError: in-process data-parallel clients (one process cannot hold
+            several engines).
     """
     if config.data_parallel_size > 1:
-        if blocking or not multiprocess:
+        if not multiprocess:
             raise NotImplementedError(
-                f"data_parallel_size={config.data_parallel_size} is supported by the Trio "
-                "multiprocess client only (open_engine_client(config))"
+                f"data_parallel_size={config.data_parallel_size} needs engine processes "
+                "(multiprocess=True)"
             )
+        if blocking:
+            return ClientKind.SYNC_MP
         if config.data_parallel_external_lb:
             return ClientKind.DP_TRIO_MP
         return ClientKind.DPLB_TRIO_MP

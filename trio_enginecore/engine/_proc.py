@@ -171,6 +171,7 @@ class EngineCoreProc:
         self._outputs: list[TrioSocket] = []
         self._work = trio.Event()
         self._draining = False
+        self._serving = False
         self._drain_deadline = math.inf
         self.waves = EngineWaveState(config.data_parallel_rank)
         self._coordinator: TrioSocket | None = None
@@ -221,6 +222,7 @@ class EngineCoreProc:
                 len(inputs),
                 len(self._outputs),
             )
+            self._serving = True
             task_status.started()
             async with trio.open_nursery() as nursery:
                 for sock in inputs:
@@ -237,6 +239,11 @@ class EngineCoreProc:
                 sock.close()
             if self._coordinator is not None:
                 self._coordinator.close()
+
+    @property
+    def serving(self) -> bool:
+        """Whether the engine is connected and ready (its startup is over)."""
+        return self._serving
 
     @property
     def draining(self) -> bool:

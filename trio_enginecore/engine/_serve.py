@@ -53,6 +53,12 @@ async def _serve(
                         logger.warning("second %s: stopping now", name)
                         nursery.cancel_scope.cancel()
                         return
+                    if not engine.serving:
+                        # Still starting (a handshake, the coordinator's READY): there
+                        # is nothing to drain.
+                        logger.info("%s during startup: stopping", name)
+                        nursery.cancel_scope.cancel()
+                        return
                     logger.info("%s: draining", name)
                     engine.begin_drain()
 

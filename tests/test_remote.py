@@ -22,6 +22,7 @@ import trio
 
 from trio_enginecore import (
     EngineConfig,
+    EngineDeadError,
     EngineStartupError,
     RemoteEngines,
     TrioMPClient,
@@ -331,3 +332,81 @@ async def test_an_engine_in_another_network_namespace_joins_across_a_veth_link(
         )
         async with running([allowed]), open_engine_client(config, remote=remote) as client:
             await generate_all(client, 40)
+
+
+async def test_a_refused_engine_stops_at_once_and_says_why(tmp_path: Path) -> None:
+    keys = Keys(tmp_path, engines=1)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    command = headless_command(
+        EngineConfig(), address, secret_key=keys.stranger[1], server_key=keys.client_public
+    )
+    remote = RemoteEngines(address, curve=keys.server())
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+
+            async def client_waiting_for_its_engine() -> None:
+                with pytest.raises(EngineStartupError):
+                    async with open_engine_client(
+                        EngineConfig(), remote=remote, ready_timeout_s=30
+                    ):
+                        pytest.fail("a stranger must not be admitted")
+
+            nursery.start_soon(client_waiting_for_its_engine)
+            # Well before its 30 s handshake timeout (and the client's), the engine
+            # learns it was refused and exits with the startup-failure code.
+            with trio.fail_after(20):
+                result = await trio.run_process(command, capture_stderr=True, check=False)
+            nursery.cancel_scope.cancel()
+    assert result.returncode == 3
+    assert b"refused this engine's CURVE key" in result.stderr
+
+
+def test_liveness_settings_are_validated() -> None:
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="liveness_interval_s"):
+            RemoteEngines("tcp://127.0.0.1:5555", liveness_interval_s=bad)
+        with pytest.raises(ValueError, match="liveness_timeout_s"):
+            RemoteEngines("tcp://127.0.0.1:5555", liveness_timeout_s=bad)
+    with pytest.raises(ValueError, match="liveness_timeout_s"):
+        RemoteEngines("tcp://127.0.0.1:5555", liveness_timeout_s=None)  # type: ignore[arg-type]
+    assert (
+        RemoteEngines("tcp://127.0.0.1:5555", liveness_interval_s=None).liveness_interval_s is None
+    )
+
+
+async def test_a_remote_engine_killed_with_sigkill_is_noticed_by_the_liveness_check() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(data_parallel_size=2, step_time_s=0.01)
+    commands = [headless_command(config.evolve(data_parallel_rank=r), address) for r in range(2)]
+    remote = RemoteEngines(address, liveness_interval_s=0.2, liveness_timeout_s=1.0)
+    failures: dict[str, BaseException] = {}
+    with trio.fail_after(60):
+        async with running(commands) as processes:
+            with pytest.raises(EngineDeadError):
+                async with open_engine_client(config, remote=remote) as client:
+
+                    async def stream(rid: str, rank: int) -> None:
+                        long = request(rid, [1], 100_000)
+                        long.data_parallel_rank = rank
+                        try:
+                            async with client.stream(long) as outputs:
+                                async for _ in outputs:
+                                    pass
+                        except EngineDeadError as exc:
+                            failures[rid] = exc
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(stream, "on-0", 0)
+                        nursery.start_soon(stream, "on-1", 1)
+                        while client.statistics().requests_in_flight < 2:
+                            await trio.sleep(0.01)
+                        processes[1].kill()
+                        killed_at = trio.current_time()
+                        while "on-1" not in failures:
+                            await trio.sleep(0.01)
+                        # Found by the checks: within interval + timeout, with slack.
+                        assert trio.current_time() - killed_at < 5
+                        nursery.cancel_scope.cancel()
+    assert "liveness check" in str(failures["on-1"])
+    assert "engine rank 1" in str(failures["on-1"])
+    assert "on-0" not in failures

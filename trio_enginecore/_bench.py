@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import math
 import resource
+import secrets
 import socket
 import statistics
 import sys
@@ -89,10 +90,14 @@ async def measure_generate(
     deadline = trio.current_time() + duration_s
     cpu0, wall0 = time.process_time(), time.perf_counter()
 
+    # Unique across measurements on one client: outputs of the previous measurement's
+    # aborted requests may still wait in the client's get_output() buffer.
+    prefix = f"bench-{secrets.token_hex(4)}"
+
     def next_id() -> str:
         nonlocal counter
         counter += 1
-        return f"bench-{counter}"
+        return f"{prefix}-{counter}"
 
     if mode == "stream":
 
@@ -126,6 +131,8 @@ async def measure_generate(
                     batch = await client.get_output()
                     replacements: list[EngineCoreRequest] = []
                     for output in batch.outputs:
+                        if output.request_id not in started_at:
+                            continue  # left over from an earlier measurement
                         tokens_seen += len(output.new_token_ids)
                         if output.finish_reason is not None:
                             now = trio.current_time()

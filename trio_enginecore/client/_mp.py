@@ -35,7 +35,7 @@ from .._curve import CurveRefusal, run_zap_handler
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
 from ..engine._coordinator import CoordinatorAddresses, run_coordinator
-from ..errors import EngineStartupError, ProtocolError
+from ..errors import EngineDeadError, EngineStartupError, ProtocolError, UtilityCallError
 from ..protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -293,7 +293,41 @@ class TrioMPClient(TrioClientBase):
         if timeout.cancelled_caught or scope.cancelled_caught:
             raise await self._startup_error(ready_timeout_s, bool(timeout.cancelled_caught))
         nursery.start_soon(self._receive_loop)
+        if remote is not None and remote.liveness_interval_s is not None:
+            for engine in self._engines:
+                nursery.start_soon(
+                    self._check_liveness,
+                    engine,
+                    remote.liveness_interval_s,
+                    remote.liveness_timeout_s,
+                )
         logger.info("client ready: %d engine(s) serving %r", len(self._engines), self.config.model)
+
+    async def _check_liveness(
+        self, engine: EngineHandle, interval_s: float, timeout_s: float
+    ) -> None:
+        """Declare a remote engine dead when it stops answering.
+
+        There is no process to watch, and ZeroMQ reconnects silently: a remote engine
+        killed, or cut off by the network, would otherwise leave its requests waiting
+        forever. Any answer counts, a failure reply included.
+        """
+        while True:
+            await trio.sleep(interval_s)
+            with trio.move_on_after(timeout_s) as unanswered:
+                try:
+                    await self._call_engines([engine], "is_sleeping", ())
+                except UtilityCallError:
+                    pass
+                except (EngineDeadError, trio.ClosedResourceError):
+                    return
+            if unanswered.cancelled_caught:
+                self._engine_died(
+                    engine,
+                    f"no answer to a liveness check within {timeout_s:g} s (the remote "
+                    "engine stopped, or the network between us failed)",
+                )
+                return
 
     async def _launch_engines(self, nursery: trio.Nursery, handshake_address: str) -> None:
         for engine in self._engines:

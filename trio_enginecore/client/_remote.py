@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Final
+import math
+from typing import Any, Final
 
 import attrs
 
@@ -21,6 +22,19 @@ def _split_tcp(address: str) -> tuple[str, str]:
     if not sep or not host or not (port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"expected tcp://HOST:PORT with a port number, got {address!r}")
     return host, port
+
+
+def _positive_or_none(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (
+        isinstance(value, int | float) and math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"RemoteEngines.{attribute.name} must be a positive number, got {value!r}")
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        raise ValueError(f"RemoteEngines.{attribute.name} must be a positive number, got None")
+    _positive_or_none(instance, attribute, value)
 
 
 @attrs.frozen
@@ -43,11 +57,20 @@ class RemoteEngines:
             key pair and the engine public keys it admits. Strongly recommended beyond
             loopback (see the security guide).
         all_interfaces: allow a wildcard ``HOST``.
+        liveness_interval_s: how often to check that each engine still answers (a cheap
+            utility call); ``None`` disables the checks. There is no process to watch
+            for a remote engine, so this is how its death is noticed.
+        liveness_timeout_s: an engine that has not answered a check within this time
+            is declared dead: its requests fail with ``EngineDeadError`` and the
+            client fails as with a launched engine's death. Keep it well above your
+            engines' longest step: an engine answers between steps.
     """
 
     handshake_address: str
     curve: CurveServer | None = None
     all_interfaces: bool = False
+    liveness_interval_s: float | None = attrs.field(default=5.0, validator=_positive_or_none)
+    liveness_timeout_s: float = attrs.field(default=15.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         host, _ = _split_tcp(self.handshake_address)

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .._curve import CurveClient
 from .._zmq import Frames, TrioSocket, make_socket
@@ -113,17 +114,21 @@ async def engine_handshake(
         identity=identity_for_rank(config.data_parallel_rank),
         linger_ms=HANDSHAKE_LINGER_MS,
     )
+    secured = curve is not None and handshake_address.startswith("tcp://")
     try:
         hello = HandshakeHello(local=not headless, headless=headless)
         await sock.send_multipart(MsgpackEncoder().encode(hello))
         frames = None
         with trio.move_on_after(timeout_s):
-            frames = await sock.recv_multipart()
+            if secured:
+                frames = await _reply_unless_refused(sock, handshake_address)
+            else:
+                frames = await sock.recv_multipart()
         if frames is None:
             hint = (
                 " (with CURVE, also check that the client admits this engine's public key "
                 "and that --curve-server-key is the client's)"
-                if curve is not None and handshake_address.startswith("tcp://")
+                if secured
                 else ""
             )
             raise EngineStartupError(
@@ -137,6 +142,37 @@ async def engine_handshake(
         sock.close()
         raise
     return sock, metadata.addresses
+
+
+async def _reply_unless_refused(sock: TrioSocket, address: str) -> Frames:
+    """The handshake reply, or EngineStartupError as soon as the client refuses our
+    CURVE key (libzmq would otherwise retry, and be refused, silently forever)."""
+    monitor = TrioSocket(sock.raw.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH))
+    reply: Frames | None = None
+    refusal: str | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal refusal
+                event = parse_monitor_message([bytes(f) for f in await monitor.recv_multipart()])
+                refusal = (
+                    f"the client at {address} refused this engine's CURVE key (ZAP status "
+                    f"{event['value']}): is this engine's public key in the client's "
+                    "allow-list?"
+                )
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            reply = await sock.recv_multipart()
+            nursery.cancel_scope.cancel()
+    finally:
+        sock.raw.disable_monitor()
+        monitor.close()
+    if refusal is not None:
+        raise EngineStartupError(refusal)
+    assert reply is not None
+    return reply
 
 
 class EngineCoreProc:

@@ -21,11 +21,13 @@ import pytest
 import trio
 
 from trio_enginecore import (
+    CoordinatorAddresses,
     EngineConfig,
     EngineDeadError,
     EngineStartupError,
     RemoteEngines,
     TrioMPClient,
+    open_coordinator,
     open_engine_client,
 )
 from trio_enginecore._curve import (
@@ -36,7 +38,7 @@ from trio_enginecore._curve import (
     load_public_key,
     write_key_pair,
 )
-from trio_enginecore.client import DPLBTrioMPClient
+from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._launch import serve_arguments
 
 from .support import expected, request
@@ -410,3 +412,67 @@ async def test_a_remote_engine_killed_with_sigkill_is_noticed_by_the_liveness_ch
     assert "liveness check" in str(failures["on-1"])
     assert "engine rank 1" in str(failures["on-1"])
     assert "on-0" not in failures
+
+
+async def test_external_lb_clients_with_remote_engines_share_a_curve_coordinator(
+    tmp_path: Path,
+) -> None:
+    """The whole multi-host picture on one machine: two frontends (one rank each), each
+    with a headless engine, and the group's coordinator, every TCP link under CURVE."""
+    keys = Keys(tmp_path, engines=2)
+    frontend = keys.server()
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    configs = [
+        EngineConfig(
+            data_parallel_size=2,
+            data_parallel_rank=rank,
+            data_parallel_external_lb=True,
+            step_time_s=0.01,
+        )
+        for rank in range(2)
+    ]
+    commands = [
+        headless_command(
+            configs[rank],
+            addresses[rank],
+            secret_key=keys.engines[rank][1],
+            server_key=keys.client_public,
+        )
+        for rank in range(2)
+    ]
+    seen: list[list[tuple[int, bool]]] = [[], []]
+    with trio.fail_after(60):
+        async with (
+            open_coordinator(
+                2, addresses=CoordinatorAddresses.on_host("127.0.0.1"), curve=frontend
+            ) as coordinator,
+            running(commands),
+        ):
+            assert coordinator.publish.startswith("tcp://127.0.0.1:")
+            clients: dict[int, DPTrioMPClient] = {}
+            ready = trio.Event()
+            done = trio.Event()
+
+            async def frontend_for(rank: int) -> None:
+                remote = RemoteEngines(addresses[rank], curve=frontend)
+                async with open_engine_client(
+                    configs[rank], remote=remote, coordinator=coordinator
+                ) as client:
+                    assert isinstance(client, DPTrioMPClient)
+                    clients[rank] = client
+                    if len(clients) == 2:
+                        ready.set()
+                    while (state := await client.wait_wave_change()) != (1, False):
+                        seen[rank].append(state)
+                    seen[rank].append(state)
+                    await done.wait()
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(2):
+                    nursery.start_soon(frontend_for, rank)
+                await ready.wait()
+                await generate_all(clients[0], 10)
+                while not all(log and log[-1] == (1, False) for log in seen):
+                    await trio.sleep(0.01)
+                done.set()
+    assert seen == [[(0, True), (1, False)]] * 2

@@ -135,6 +135,11 @@ class CurveServer:
         certificate paths."""
         return cls(CurveKeyPair.load(secret_file), _public_keys(allowed))
 
+    def as_client_of_itself(self) -> CurveClient:
+        """The CURVE client role for a peer holding the same key pair (a client of a
+        data-parallel group connecting to the group's coordinator)."""
+        return CurveClient(self.keys, self.keys.public)
+
     def apply(self, sock: TrioSocket) -> None:
         """Make ``sock`` (not bound yet) a CURVE server."""
         raw = sock.raw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
@@ -11,10 +12,22 @@ from typing import Any
 import trio
 import zmq
 
+from .._curve import CurveRefusal, CurveServer, run_zap_handler
 from ..engine._coordinator import CoordinatorAddresses, run_coordinator
 from ._launch import private_ipc_dir
 
 __all__ = ["open_coordinator"]
+
+logger = logging.getLogger("trio_enginecore.coordinator")
+
+
+def _log_refusal(refusal: CurveRefusal) -> None:
+    logger.warning(
+        "coordinator refused a connection from %s (public key %s): %s",
+        refusal.address,
+        refusal.public_key,
+        refusal.reason,
+    )
 
 
 @asynccontextmanager
@@ -23,6 +36,7 @@ async def open_coordinator(
     *,
     addresses: CoordinatorAddresses | None = None,
     min_interval_s: float = 0.1,
+    curve: CurveServer | None = None,
 ) -> AsyncGenerator[CoordinatorAddresses, None]:
     """Run a data-parallel coordinator for ``engines`` engines as a task of this program.
 
@@ -31,6 +45,12 @@ async def open_coordinator(
     Without ``addresses`` it binds ipc:// sockets in a new private (0700) directory,
     removed on exit; give TCP addresses to serve clients and engines on other hosts
     (``tcp://HOST:*`` picks free ports: the addresses yielded are the ones bound).
+
+    With ``curve``, every TCP socket of the coordinator is a CURVE server with the
+    frontends' key pair (the one the clients of the group give as
+    ``RemoteEngines(curve=...)``, and whose public key their engines hold): it admits
+    the engines' public keys in ``curve.allowed`` and the clients, which prove they
+    hold the same key pair.
     The coordinator stops when the block ends; the block's exception (or
     ``Cancelled``) propagates as itself.
 
@@ -49,6 +69,10 @@ async def open_coordinator(
     try:
         async with trio.open_nursery() as nursery:
             try:
+                if curve is not None:
+                    # Before any CURVE socket is bound: without it libzmq admits anyone.
+                    allowed = curve.allowed | {curve.keys.public}
+                    await nursery.start(partial(run_zap_handler, ctx, allowed, _log_refusal))
                 bound: CoordinatorAddresses = await nursery.start(
                     partial(
                         run_coordinator,
@@ -56,6 +80,7 @@ async def open_coordinator(
                         engines=engines,
                         addresses=addresses,
                         min_interval_s=min_interval_s,
+                        curve=curve,
                     )
                 )
                 try:

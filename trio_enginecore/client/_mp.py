@@ -653,6 +653,11 @@ class DPTrioMPClient(TrioMPClient):
     async def _subscribe(self, nursery: trio.Nursery, addresses: CoordinatorAddresses) -> None:
         sock = make_socket(self._ctx, zmq.XSUB)
         try:
+            curve = self._remote.curve if self._remote is not None else None
+            if curve is not None and addresses.publish.startswith("tcp://"):
+                # A shared coordinator holds the frontends' key pair: we prove we are a
+                # frontend with the same key, and check it is theirs.
+                curve.as_client_of_itself().apply(sock)
             sock.connect(addresses.publish)
             await sock.send_multipart([b"\x01"])
         except BaseException:

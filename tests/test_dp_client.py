@@ -16,8 +16,10 @@ from trio_enginecore.protocol import EngineCoreRequest, SamplingParams
 from .support import children_of_this_process, expected, request
 
 
-def ranked_request(request_id: str, prompt: list[int], rank: int) -> EngineCoreRequest:
-    params = SamplingParams(max_tokens=4)
+def ranked_request(
+    request_id: str, prompt: list[int], rank: int, max_tokens: int = 4
+) -> EngineCoreRequest:
+    params = SamplingParams(max_tokens=max_tokens)
     return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, rank)
 
 
@@ -186,3 +188,41 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
                 await client.wait_wave_change()
     assert all(done.is_set() for _, done in tasks)
     assert children_of_this_process() == []
+
+
+async def test_engine_core_dead_fails_only_the_engine_that_sent_it() -> None:
+    """ENGINE_CORE_DEAD is one anonymous frame; the sender's exit identifies it."""
+    config = EngineConfig(data_parallel_size=2, step_time_s=0.01, enable_fault_injection=True)
+    failures: dict[str, BaseException] = {}
+    tokens = {"on-0": 0, "on-1": 0}
+    with trio.fail_after(30):
+        with pytest.raises(EngineDeadError):
+            async with open_engine_client(config) as client:
+
+                async def stream(rid: str, rank: int) -> None:
+                    try:
+                        async with client.stream(ranked_request(rid, [1], rank, 100_000)) as outs:
+                            async for output in outs:
+                                tokens[rid] += len(output.new_token_ids)
+                    except EngineDeadError as exc:
+                        failures[rid] = exc
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(stream, "on-0", 0)
+                    nursery.start_soon(stream, "on-1", 1)
+                    while min(tokens.values()) == 0:
+                        await trio.sleep(0.01)
+                    engines = client._engines  # pyright: ignore[reportPrivateUsage]
+                    await client._call_engines([engines[1]], "inject_fault", ())  # pyright: ignore[reportPrivateUsage]
+                    while "on-1" not in failures:
+                        await trio.sleep(0.01)
+                    # The other engine's request is untouched and keeps streaming.
+                    before = tokens["on-0"]
+                    while tokens["on-0"] < before + 5:
+                        await trio.sleep(0.01)
+                    nursery.cancel_scope.cancel()
+    message = str(failures["on-1"])
+    assert "engine rank 1" in message
+    assert "exited with code 1" in message
+    assert "fault injected" in message  # the engine's own last words, from its stderr
+    assert "on-0" not in failures

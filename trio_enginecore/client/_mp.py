@@ -75,6 +75,7 @@ _ABORT: Final = EngineCoreRequestType.ABORT.value
 _UTILITY: Final = EngineCoreRequestType.UTILITY.value
 _MAX_DRAIN_MESSAGES: Final = 256
 _DRAIN_OUTPUTS: Final = 2048
+_ATTRIBUTION_WINDOW_S: Final = 2.0
 EXTERNAL_LB_NEEDS_COORDINATOR: Final = (
     "external load balancing (data_parallel_external_lb) shares one coordinator between "
     "the clients of a data-parallel group: open one with trio_enginecore.open_coordinator() "
@@ -122,6 +123,8 @@ class TrioMPClient(TrioClientBase):
         self._refusals: list[CurveRefusal] = []
         self._hellos: set[bytes] = set()
         self._socket_tasks: list[tuple[trio.CancelScope, trio.Event]] = []
+        self._nursery: trio.Nursery | None = None
+        self._a_death = trio.Event()
 
     # ------------------------------------------------------------ public state
 
@@ -170,6 +173,8 @@ class TrioMPClient(TrioClientBase):
         }
 
     def _on_engine_death(self, engine: EngineHandle) -> None:
+        death, self._a_death = self._a_death, trio.Event()
+        death.set()
         if self._startup_scope is not None:
             self._startup_scope.cancel()
 
@@ -200,10 +205,7 @@ class TrioMPClient(TrioClientBase):
 
     def _handle_message(self, frames: Frames) -> None:
         if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
-            # The output socket does not tell which engine sent it; with one client per
-            # engine set that is all of them (the data-parallel clients refine this).
-            for engine in self._engines:
-                self._engine_died(engine, "the engine reported a fatal error (ENGINE_CORE_DEAD)")
+            self._engine_reported_dead()
             return
         try:
             message = self._decoder.decode(frames)
@@ -212,6 +214,43 @@ class TrioMPClient(TrioClientBase):
             logger.error("dropping an undecodable output message: %s", exc)
             return
         self._handle_outputs(message)
+
+    def _engine_reported_dead(self) -> None:
+        """Someone sent ENGINE_CORE_DEAD: one frame, which does not say who.
+
+        With one engine, it is that one. With several, the engine that sent it exits
+        right after, and its process's exit (or, for a remote engine, its silence to
+        the liveness checks) says which one it was: only that engine's requests fail.
+        If that cannot tell within a bounded time, every engine is failed.
+        """
+        suspects = [engine for engine in self._engines if engine.alive]
+        window = self._attribution_window_s()
+        if len(suspects) <= 1 or window is None or self._nursery is None:
+            for engine in suspects:
+                self._engine_died(engine, "the engine reported a fatal error (ENGINE_CORE_DEAD)")
+            return
+        logger.warning("an engine reported a fatal error; waiting up to %g s to tell which", window)
+        self._nursery.start_soon(self._attribute_death, suspects, window)
+
+    def _attribution_window_s(self) -> float | None:
+        if all(engine.process is not None for engine in self._engines):
+            return _ATTRIBUTION_WINDOW_S
+        remote = self._remote
+        if remote is not None and remote.liveness_interval_s is not None:
+            return remote.liveness_interval_s + remote.liveness_timeout_s + _ATTRIBUTION_WINDOW_S
+        return None
+
+    async def _attribute_death(self, suspects: list[EngineHandle], window_s: float) -> None:
+        with trio.move_on_after(window_s):
+            while all(engine.alive for engine in suspects):
+                await self._a_death.wait()
+            return
+        for engine in suspects:
+            self._engine_died(
+                engine,
+                "an engine reported a fatal error (ENGINE_CORE_DEAD) and none could be "
+                f"identified as the sender within {window_s:g} s",
+            )
 
     async def _watch_process(self, engine: EngineHandle) -> None:
         process = engine.process
@@ -246,6 +285,7 @@ class TrioMPClient(TrioClientBase):
             EngineHandle(rank=rank, identity=rank.to_bytes(2, "little")) for rank in self._ranks()
         ]
         self._remote = remote
+        self._nursery = nursery
         if remote is not None:
             if remote.curve is not None:
                 # Before any CURVE socket is bound: without a handler libzmq admits anyone.
@@ -720,7 +760,12 @@ class DPLBTrioMPClient(DPTrioMPClient):
     Failure policy: the client fails as a whole. When one engine dies, its in-flight
     requests fail with ``EngineDeadError`` at once and every later call raises it;
     requests on the surviving engines keep streaming until the block ends, and the
-    ``async with`` block then raises one ``EngineDeadError``.
+    ``async with`` block then raises one ``EngineDeadError``. A death is seen when a
+    launched engine's process exits, when a remote engine stops answering the
+    liveness checks (:class:`~trio_enginecore.RemoteEngines`), or when an engine sends
+    ``ENGINE_CORE_DEAD``: that frame does not say who sent it, so the client waits up
+    to 2 s (remote engines: a liveness period) for the sender's exit to identify it,
+    and fails every engine only if none is identified.
     """
 
     def __init__(

@@ -64,7 +64,10 @@ nitpicky = True
 nitpick_ignore_regex = [
     # Third-party and standard-library names: no inventory to resolve them against.
     (r"py:.*", r"(trio|msgspec|numpy|np|npt|zmq|attrs)(\..*)?"),
-    (r"py:.*", r"(contextlib|collections\.abc|typing|types|enum|abc|threading|random|os)\..*"),
+    (
+        r"py:.*",
+        r"(contextlib|collections\.abc|typing|types|enum|abc|threading|random|os|pathlib)\..*",
+    ),
     # Type variables in signatures (``T``, ``F``...) are not documented objects.
     (r"py:class", r"(trio_enginecore(\.\w+)*\.)?[A-Z]"),
 ]

@@ -40,8 +40,9 @@ from trio_enginecore._curve import (
 )
 from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._launch import serve_arguments
+from trio_enginecore.client._remote import connectable
 
-from .support import expected, request
+from .support import children_of_this_process, expected, request
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -139,6 +140,14 @@ def test_remote_engines_bind_an_explicit_address_unless_told_otherwise() -> None
         RemoteEngines("tcp://127.0.0.1")
     remote = RemoteEngines("tcp://10.1.2.3:7000")
     assert (remote.host, remote.any_port) == ("10.1.2.3", "tcp://10.1.2.3:*")
+
+
+def test_engines_launched_here_reach_a_wildcard_bind_through_loopback() -> None:
+    assert connectable("tcp://0.0.0.0:7000") == "tcp://127.0.0.1:7000"
+    assert connectable("tcp://*:7000") == "tcp://127.0.0.1:7000"
+    assert connectable("tcp://[::]:7000") == "tcp://[::1]:7000"
+    assert connectable("tcp://10.1.2.3:7000") == "tcp://10.1.2.3:7000"
+    assert connectable("ipc:///tmp/x/handshake") == "ipc:///tmp/x/handshake"
 
 
 def test_key_files_round_trip_and_the_secret_stays_out_of_repr(tmp_path: Path) -> None:
@@ -476,3 +485,35 @@ async def test_external_lb_clients_with_remote_engines_share_a_curve_coordinator
                     await trio.sleep(0.01)
                 done.set()
     assert seen == [[(0, True), (1, False)]] * 2
+
+
+async def test_a_client_launches_its_local_ranks_beside_the_remote_ones(tmp_path: Path) -> None:
+    keys = Keys(tmp_path, engines=2)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(data_parallel_size=2)
+    remote_rank = headless_command(
+        config.evolve(data_parallel_rank=1),
+        address,
+        secret_key=keys.engines[1][1],
+        server_key=keys.client_public,
+    )
+    # Rank 0's key is not in the allow-list: the client gives its own engine a key
+    # pair of its own (and admits it).
+    curve = CurveServer.from_files(keys.client_secret, [keys.engines[1][0]])
+    remote = RemoteEngines(address, ranks={1}, curve=curve)
+    with trio.fail_after(60):
+        async with running([remote_rank]), open_engine_client(config, remote=remote) as client:
+            local_pid, remote_pid = client.engine_pids
+            assert local_pid is not None
+            assert remote_pid is None
+            await generate_all(client, 30)
+            assert await client.get_request_counts_per_engine() == [(0, 0), (0, 0)]
+    assert children_of_this_process() == []
+
+
+def test_remote_ranks_must_be_ranks_of_the_client() -> None:
+    remote = RemoteEngines("tcp://127.0.0.1:5555", ranks=[1, 4])
+    assert remote.ranks == frozenset({1, 4})
+    with pytest.raises(ValueError, match=r"rank\(s\) \[4\]"):
+        remote.joining(range(2))
+    assert RemoteEngines("tcp://127.0.0.1:5555").joining(range(3)) == {0, 1, 2}

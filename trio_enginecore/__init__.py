@@ -7,6 +7,7 @@ from ._curve import (
     CurveClient as CurveClient,
     CurveKeyPair as CurveKeyPair,
     CurveServer as CurveServer,
+    write_key_pair as write_key_pair,
 )
 from .client import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
@@ -109,6 +110,7 @@ __all__ = [
     "open_engine_client",
     "protocol",
     "serial",
+    "write_key_pair",
 ]
 
 __version__ = "0.1.0.dev0"

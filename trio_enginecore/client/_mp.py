@@ -31,7 +31,7 @@ import msgspec
 import trio
 import zmq
 
-from .._curve import CurveRefusal, run_zap_handler
+from .._curve import CurveRefusal, CurveServer, load_public_key, run_zap_handler, write_key_pair
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
 from ..engine._coordinator import CoordinatorAddresses, run_coordinator
@@ -58,7 +58,7 @@ from ._launch import (
     start_engine_process,
 )
 from ._lb import LeastLoaded, LoadBalancer
-from ._remote import RemoteEngines
+from ._remote import RemoteEngines, connectable
 
 __all__ = [
     "DPLBTrioMPClient",
@@ -286,12 +286,23 @@ class TrioMPClient(TrioClientBase):
         ]
         self._remote = remote
         self._nursery = nursery
+        local = self._engines
+        local_arguments: list[str] = []
         if remote is not None:
+            local = [e for e in self._engines if e.rank not in remote.joining(self._ranks())]
+            if local:
+                # Engines we launch use TCP like the remote ones; their key files (and
+                # nothing else) go in a private directory.
+                self._ipc_dir = private_ipc_dir()
             if remote.curve is not None:
+                allowed = remote.curve.allowed
+                if local:
+                    public, local_arguments = self._local_engine_keys(remote.curve)
+                    allowed |= {public}
                 # Before any CURVE socket is bound: without a handler libzmq admits anyone.
                 await nursery.start(
                     self._run_socket_task,
-                    partial(run_zap_handler, self._ctx, remote.curve.allowed, self._refused),
+                    partial(run_zap_handler, self._ctx, allowed, self._refused),
                 )
             input_address = output_address = remote.any_port
         elif not attach:
@@ -318,8 +329,9 @@ class TrioMPClient(TrioClientBase):
                             if remote is not None
                             else f"ipc://{self._ipc_dir}/handshake"
                         )
-                        if remote is None:
-                            await self._launch_engines(nursery, handshake_address)
+                        await self._launch_engines(
+                            nursery, local, handshake_address, local_arguments
+                        )
                         await self._handshake(handshake, bound_input, bound_output)
                     await self._wait_ready()
                     if handshake is not None:
@@ -369,11 +381,31 @@ class TrioMPClient(TrioClientBase):
                 )
                 return
 
-    async def _launch_engines(self, nursery: trio.Nursery, handshake_address: str) -> None:
-        for engine in self._engines:
+    async def _launch_engines(
+        self,
+        nursery: trio.Nursery,
+        engines: list[EngineHandle],
+        handshake_address: str,
+        extra_arguments: list[str],
+    ) -> None:
+        for engine in engines:
             config = self.config.evolve(data_parallel_rank=engine.rank)
-            await start_engine_process(engine, engine_command(config, handshake_address), nursery)
+            command = engine_command(config, connectable(handshake_address)) + extra_arguments
+            await start_engine_process(engine, command, nursery)
             nursery.start_soon(self._watch_process, engine)
+
+    def _local_engine_keys(self, curve: CurveServer) -> tuple[bytes, list[str]]:
+        """A key pair for the engines this client launches beside remote ones, its
+        secret in the private directory: the public key and the engines' arguments."""
+        assert self._ipc_dir is not None
+        public, secret = write_key_pair(self._ipc_dir, "local-engines")
+        arguments = [
+            "--curve-secret-key",
+            str(secret),
+            "--curve-server-key",
+            str(curve.keys.public.decode()),
+        ]
+        return load_public_key(public), arguments
 
     async def _run_socket_task(
         self,

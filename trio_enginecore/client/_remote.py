@@ -10,7 +10,7 @@ import attrs
 
 from .._curve import CurveServer
 
-__all__ = ["RemoteEngines"]
+__all__ = ["RemoteEngines", "connectable"]
 
 _ALL_INTERFACES: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
@@ -22,6 +22,19 @@ def _split_tcp(address: str) -> tuple[str, str]:
     if not sep or not host or not (port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"expected tcp://HOST:PORT with a port number, got {address!r}")
     return host, port
+
+
+def connectable(address: str) -> str:
+    """The address a process on this host connects to, for one bound at ``address``
+    (a wildcard host is reached through the loopback interface)."""
+    if not address.startswith("tcp://"):
+        return address
+    host, port = _split_tcp(address)
+    if host in ("*", "0.0.0.0"):
+        return f"tcp://127.0.0.1:{port}"
+    if host in ("::", "[::]"):
+        return f"tcp://[::1]:{port}"
+    return address
 
 
 def _positive_or_none(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -56,6 +69,9 @@ class RemoteEngines:
         curve: authenticate and encrypt every TCP connection with CURVE: the client's
             key pair and the engine public keys it admits. Strongly recommended beyond
             loopback (see the security guide).
+        ranks: the ranks that join from elsewhere; the client launches the others
+            itself, on this host (over TCP as well, with a key pair of their own when
+            ``curve`` is set). ``None`` (the default): every rank is remote.
         all_interfaces: allow a wildcard ``HOST``.
         liveness_interval_s: how often to check that each engine still answers (a cheap
             utility call); ``None`` disables the checks. There is no process to watch
@@ -67,6 +83,9 @@ class RemoteEngines:
     """
 
     handshake_address: str
+    ranks: frozenset[int] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(frozenset)
+    )
     curve: CurveServer | None = None
     all_interfaces: bool = False
     liveness_interval_s: float | None = attrs.field(default=5.0, validator=_positive_or_none)
@@ -81,6 +100,22 @@ class RemoteEngines:
             )
         if host.startswith("["):
             ipaddress.IPv6Address(host.strip("[]"))  # raises ValueError naming the host
+
+    def joining(self, ranks: range) -> frozenset[int]:
+        """Which of a client's ``ranks`` join from elsewhere.
+
+        Raises:
+            ValueError: ``self.ranks`` names a rank the client does not have.
+        """
+        if self.ranks is None:
+            return frozenset(ranks)
+        unknown = sorted(self.ranks - set(ranks))
+        if unknown:
+            raise ValueError(
+                f"RemoteEngines.ranks names rank(s) {unknown}, but the client's ranks are "
+                f"{list(ranks)}"
+            )
+        return self.ranks
 
     @property
     def host(self) -> str:

@@ -1,0 +1,169 @@
+"""Several engines: one client balancing over them, one client per engine, and an
+engine joining over TCP with CURVE."""
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import trio
+
+from trio_enginecore import (
+    CurveServer,
+    EngineConfig,
+    EngineCoreRequest,
+    RemoteEngines,
+    SamplingParams,
+    open_coordinator,
+    open_engine_client,
+    write_key_pair,
+)
+from trio_enginecore.client import DPTrioMPClient
+
+
+def counting_request(
+    request_id: str, max_tokens: int, rank: int | None = None
+) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=rank,
+    )
+
+
+async def one_client_three_engines() -> None:
+    print("1. one client balancing over three engines")
+    config = EngineConfig(data_parallel_size=3, step_time_s=0.01)
+    async with open_engine_client(config) as client:
+        print(f"   client class: {type(client).__name__}")
+        peak: list[tuple[int, int]] = []
+
+        async def generate(request_id: str) -> None:
+            async with client.stream(counting_request(request_id, 20)) as outputs:
+                async for _ in outputs:
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            for i in range(90):
+                nursery.start_soon(generate, f"req-{i}")
+            await trio.sleep(0.1)  # all 90 are in flight now
+            peak = await client.get_request_counts_per_engine()
+        print(f"   requests per engine while all 90 ran: {[w + r for w, r in peak]}")
+
+        # A request may name its engine; the client sends it there.
+        async with client.stream(counting_request("pinned", 3, rank=2)) as outputs:
+            tokens = [t async for output in outputs for t in output.new_token_ids]
+        print(f"   pinned to rank 2: {tokens}")
+
+        # The engines ran (at least) one request wave, now over: they are paused.
+        while client.engines_running:
+            await client.wait_wave_change()
+        ended = client.current_wave >= 1
+        print(f"   engines running: {client.engines_running}, a wave has ended: {ended}")
+
+
+async def one_client_per_engine() -> None:
+    print("2. two clients, one engine each, sharing a coordinator")
+    seen: list[str] = []
+    async with open_coordinator(2) as coordinator:
+        clients: list[DPTrioMPClient] = []
+        all_open = trio.Event()
+        both_saw_the_end = trio.Event()
+        finished = trio.Event()
+
+        async def frontend(rank: int) -> None:
+            config = EngineConfig(
+                data_parallel_size=2,
+                data_parallel_rank=rank,
+                data_parallel_external_lb=True,
+                step_time_s=0.01,
+            )
+            async with open_engine_client(config, coordinator=coordinator) as client:
+                assert isinstance(client, DPTrioMPClient)
+                clients.append(client)
+                if len(clients) == 2:
+                    all_open.set()
+                # Each client sees the group's waves, whoever starts them.
+                wave, running = await client.wait_wave_change()
+                seen.append(f"rank {rank} saw wave {wave} start: {running}")
+                while client.engines_running:
+                    await client.wait_wave_change()
+                seen.append(f"rank {rank} saw wave {client.current_wave - 1} end")
+                if len(seen) == 4:
+                    both_saw_the_end.set()
+                await finished.wait()
+
+        # The engines of a group start together: open the clients concurrently.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(frontend, 0)
+            await trio.sleep(0.05)
+            nursery.start_soon(frontend, 1)
+            await all_open.wait()
+            first = next(c for c in clients if c.config.data_parallel_rank == 0)
+            async with first.stream(counting_request("hello", 10)) as outputs:
+                async for _ in outputs:
+                    pass
+            await both_saw_the_end.wait()
+            finished.set()
+    for line in sorted(seen, key=lambda line: line[:6]):  # by rank, in order seen
+        print(f"   {line}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def an_engine_over_tcp() -> None:
+    print("3. an engine joining over TCP, authenticated with CURVE")
+    with tempfile.TemporaryDirectory() as keys:
+        # What `trio-enginecore keygen client` and `... keygen engine-0` write.
+        client_public, client_secret = write_key_pair(keys, "client")
+        engine_public, engine_secret = write_key_pair(keys, "engine-0")
+        address = f"tcp://127.0.0.1:{free_port()}"
+        # On the engine's host (here, this one):
+        engine = await trio.lowlevel.open_process(
+            [
+                sys.executable,
+                "-m",
+                "trio_enginecore",
+                "serve",
+                "--headless",
+                "--handshake-address",
+                address,
+                "--curve-secret-key",
+                str(engine_secret),
+                "--curve-server-key",
+                str(client_public),
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            curve = CurveServer.from_files(client_secret, [engine_public])
+            remote = RemoteEngines(address, curve=curve)
+            async with open_engine_client(EngineConfig(), remote=remote) as client:
+                print(f"   launched by the client: {client.engine_pids}")
+                async with client.stream(counting_request("over-tcp", 5)) as outputs:
+                    tokens = [t async for output in outputs for t in output.new_token_ids]
+                print(f"   generated over CURVE: {tokens}")
+        finally:
+            engine.terminate()
+            await engine.wait()
+
+
+async def main() -> None:
+    await one_client_three_engines()
+    await one_client_per_engine()
+    await an_engine_over_tcp()
+
+
+if __name__ == "__main__":
+    trio.run(main)

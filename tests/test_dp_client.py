@@ -226,3 +226,36 @@ async def test_engine_core_dead_fails_only_the_engine_that_sent_it() -> None:
     assert "exited with code 1" in message
     assert "fault injected" in message  # the engine's own last words, from its stderr
     assert "on-0" not in failures
+
+
+async def test_waiting_for_a_wave_change_ends_when_the_client_closes_or_an_engine_dies() -> None:
+    errors: list[BaseException] = []
+    woken = trio.Event()
+
+    async def waiter(client: DPLBTrioMPClient, *, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()  # parked in wait_wave_change() before the caller resumes
+        try:
+            await client.wait_wave_change()
+        except (EngineDeadError, trio.ClosedResourceError) as exc:
+            errors.append(exc)
+            woken.set()
+
+    config = EngineConfig(data_parallel_size=2)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as outer, open_engine_client(config) as client:
+            assert isinstance(client, DPLBTrioMPClient)
+            await outer.start(waiter, client)
+        assert len(errors) == 1
+        assert isinstance(errors[0], trio.ClosedResourceError)
+
+        woken = trio.Event()
+        async with trio.open_nursery() as outer:
+            with pytest.raises(EngineDeadError):
+                async with open_engine_client(config) as client:
+                    assert isinstance(client, DPLBTrioMPClient)
+                    await outer.start(waiter, client)
+                    pid = client.engine_pids[1]
+                    assert pid is not None
+                    os.kill(pid, signal.SIGKILL)
+                    await woken.wait()
+        assert isinstance(errors[1], EngineDeadError)

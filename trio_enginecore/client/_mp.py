@@ -682,13 +682,31 @@ class DPTrioMPClient(TrioMPClient):
         return self._engines_running
 
     async def wait_wave_change(self) -> tuple[int, bool]:
-        """Wait until the coordinator publishes a different wave or running state.
+        """Wait until the coordinator publishes a different wave or running state (or
+        this client starts a wave).
 
         Returns the new ``(current_wave, engines_running)``. Cancellation leaves
         nothing changed.
+
+        Raises:
+            EngineDeadError: an engine died (before or while waiting).
+            trio.ClosedResourceError: the client is closed (before or while waiting).
         """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._raise_if_unusable()
         await self._wave_changed.wait()
+        self._raise_if_unusable()
         return self._current_wave, self._engines_running
+
+    def _on_engine_death(self, engine: EngineHandle) -> None:
+        super()._on_engine_death(engine)
+        self._announce_wave_change()  # wakes waiters, who then raise
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closing = True
+            self._announce_wave_change()  # wakes waiters, who then raise
+        await super().aclose()
 
     def _ranks(self) -> range:
         rank = self.config.data_parallel_rank

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import trio
 import zmq
 
+from trio_enginecore._curve import CurveClient, CurveKeyPair, write_key_pair
 from trio_enginecore._zmq import make_socket
 from trio_enginecore.engine._coordinator import (
     CoordinatorAddresses,
@@ -123,3 +128,74 @@ async def test_the_coordinator_relays_counts_and_runs_waves_over_real_sockets() 
         for sock in (push, client, *engines):
             sock.close()
         ctx.destroy(linger=0)
+
+
+def _free_tcp() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def test_the_coordinator_command_serves_over_tcp_with_curve_and_stops_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    _, frontend_secret = write_key_pair(tmp_path, "frontend")
+    engine_public, _ = write_key_pair(tmp_path, "engine")
+    frontend = CurveKeyPair.load(frontend_secret)
+    addresses = CoordinatorAddresses(_free_tcp(), _free_tcp(), _free_tcp())
+    command = [
+        sys.executable, "-m", "trio_enginecore", "coordinator", "--engines", "1",
+        *addresses.arguments(),
+        "--curve-secret-key", str(frontend_secret), "--curve-allow", str(engine_public),
+    ]  # fmt: skip
+    ctx: zmq.Context[Any] = zmq.Context()
+    member = make_socket(ctx, zmq.XSUB)
+    stranger = make_socket(ctx, zmq.XSUB)
+    try:
+        with trio.fail_after(20):
+            process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
+            try:
+                # A frontend (holding the frontends' key pair) is admitted and served...
+                CurveClient(frontend, frontend.public).apply(member)
+                member.connect(addresses.publish)
+                await member.send_multipart([b"\x01"])
+                publication = msgspec.msgpack.decode((await member.recv_multipart())[0])
+                assert publication == [[[0, 0, 0.0]], 0, False]
+                # ...a peer with another key is not.
+                CurveClient(CurveKeyPair.generate(), frontend.public).apply(stranger)
+                stranger.connect(addresses.publish)
+                await stranger.send_multipart([b"\x01"])
+                with trio.move_on_after(1) as nothing:
+                    await stranger.recv_multipart()
+                assert nothing.cancelled_caught
+            finally:
+                process.terminate()
+                assert await process.wait() == 0
+            # An address another program holds: a clear startup failure, exit code 3.
+            with socket.socket() as holder:
+                # (SO_REUSEADDR: the coordinator's closed connections may linger.)
+                holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                host, port = addresses.publish[len("tcp://") :].rsplit(":", 1)
+                holder.bind((host, int(port)))
+                holder.listen()
+                taken = await trio.run_process(command, check=False, capture_stderr=True)
+            assert taken.returncode == 3
+            assert b"coordinator startup failed" in taken.stderr
+    finally:
+        member.close()
+        stranger.close()
+        ctx.destroy(linger=0)
+
+
+def test_the_coordinator_command_refuses_half_a_curve_configuration() -> None:
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "trio_enginecore", "coordinator", "--engines", "1",
+            "--stats-address", "ipc:///tmp/x1", "--engine-publish-address", "ipc:///tmp/x2",
+            "--publish-address", "ipc:///tmp/x3", "--curve-secret-key", "/nonexistent",
+        ],
+        capture_output=True,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert b"go together" in result.stderr

@@ -285,6 +285,25 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the launching process exits"
     )
+    coordinator.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="CURVE on the tcp:// addresses: the frontends' secret key certificate (the "
+        "clients' and the coordinator's key pair); requires --curve-allow",
+    )
+    coordinator.add_argument(
+        "--curve-allow",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an engine public key to admit (Z85 or a NAME.key file); repeat per engine",
+    )
+    coordinator.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level on stderr (default: %(default)s)",
+    )
     return parser
 
 
@@ -357,10 +376,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"public key: {public}\nsecret key: {secret} (keep it private)")
         return 0
     if args.command == "coordinator":
+        from ._curve import CurveServer
         from .engine._coordinator import CoordinatorAddresses
         from .engine._serve import serve_coordinator
 
+        logging.basicConfig(
+            level=args.log_level,
+            format="%(asctime)s coordinator %(levelname)s %(message)s",
+            stream=sys.stderr,
+        )
+        if bool(args.curve_secret_key) != bool(args.curve_allow):
+            parser.error("--curve-secret-key and --curve-allow go together")
+        curve = None
+        if args.curve_secret_key:
+            try:
+                curve = CurveServer.from_files(args.curve_secret_key, args.curve_allow)
+            except (OSError, ValueError) as exc:
+                parser.error(f"CURVE keys: {exc}")
         return serve_coordinator(
+            curve=curve,
             engines=args.engines,
             addresses=CoordinatorAddresses(
                 stats=args.stats_address,

@@ -14,10 +14,10 @@ from typing import Any, cast
 import trio
 import zmq
 
-from .._curve import CurveClient
+from .._curve import CurveClient, CurveServer
 from ..config import EngineConfig
 from ..errors import EngineStartupError
-from ._coordinator import CoordinatorAddresses, run_coordinator
+from ._coordinator import CoordinatorAddresses
 from ._core import FatalEngineError
 from ._proc import EngineCoreProc, addresses_for, engine_handshake
 
@@ -159,25 +159,32 @@ def serve_coordinator(
     addresses: CoordinatorAddresses,
     min_interval_s: float,
     exit_with_parent: bool,
+    curve: CurveServer | None = None,
 ) -> int:
     """Run the data-parallel coordinator until SIGTERM/SIGINT; return the exit code."""
+    from ..client._coordination import open_coordinator
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as nursery:
-                if exit_with_parent:
-                    nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
-                nursery.start_soon(
-                    lambda: run_coordinator(
-                        ctx, engines=engines, addresses=addresses, min_interval_s=min_interval_s
-                    )
+            async with open_coordinator(
+                engines, addresses=addresses, min_interval_s=min_interval_s, curve=curve
+            ) as bound:
+                logger.info(
+                    "coordinator of %d engine(s): stats %s, engines %s, clients %s",
+                    engines,
+                    bound.stats,
+                    bound.engine_publish,
+                    bound.publish,
                 )
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
+                async with trio.open_nursery() as nursery:
+                    if exit_with_parent:
+                        nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
 
-    ctx: zmq.Context[Any] = zmq.Context()
     try:
         trio.run(main)
-    finally:
-        ctx.destroy(linger=0)
+    except zmq.ZMQError as exc:
+        logger.critical("coordinator startup failed: %s", exc)
+        return EXIT_STARTUP
     return EXIT_OK

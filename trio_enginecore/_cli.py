@@ -29,6 +29,15 @@ ENGINE_CORE_DEAD to the clients), 2 bad command line, 3 startup failed.
 """
 
 
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level on stderr (default: %(default)s)",
+    )
+
+
 def _serve_parser(parser: argparse.ArgumentParser) -> None:
     serve = parser
     where = serve.add_argument_group("where to serve (attach mode or handshake mode)")
@@ -156,12 +165,7 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="enable the inject_fault utility that kills the engine on purpose (tests only)",
     )
-    serve.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level on stderr (default: %(default)s)",
-    )
+    _add_log_level(serve)
 
 
 def _bench_parser(bench: argparse.ArgumentParser) -> None:
@@ -298,12 +302,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="an engine public key to admit (Z85 or a NAME.key file); repeat per engine",
     )
-    coordinator.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level on stderr (default: %(default)s)",
-    )
+    _add_log_level(coordinator)
     return parser
 
 

@@ -517,3 +517,21 @@ def test_remote_ranks_must_be_ranks_of_the_client() -> None:
     with pytest.raises(ValueError, match=r"rank\(s\) \[4\]"):
         remote.joining(range(2))
     assert RemoteEngines("tcp://127.0.0.1:5555").joining(range(3)) == {0, 1, 2}
+
+
+def test_a_z85_key_starting_with_a_dash_reaches_the_engine_command_line(tmp_path: Path) -> None:
+    """Z85 has "-" in its alphabet: "--curve-server-key -abc..." would be read as an
+    option (a failure seen in CI, for one key in 85)."""
+    from trio_enginecore._cli import _parser  # pyright: ignore[reportPrivateUsage]
+
+    keys = CurveKeyPair.generate()
+    while not keys.public.startswith(b"-"):
+        keys = CurveKeyPair.generate()
+    client = TrioMPClient(EngineConfig(data_parallel_size=2))
+    try:
+        client._ipc_dir = str(tmp_path)  # pyright: ignore[reportPrivateUsage]
+        _, arguments = client._local_engine_keys(CurveServer(keys, []))  # pyright: ignore[reportPrivateUsage]
+    finally:
+        client._ctx.destroy(linger=0)  # pyright: ignore[reportPrivateUsage]
+    args = _parser().parse_args(["serve", "--handshake-address", "ipc:///x", *arguments])
+    assert load_public_key(args.curve_server_key) == keys.public

@@ -89,7 +89,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     security.add_argument(
         "--curve-server-key",
         metavar="KEY",
-        help="the client's public key: 40 Z85 characters or its NAME.key certificate",
+        help="the client's public key: its NAME.key certificate, or the 40 Z85 characters "
+        "(write --curve-server-key=KEY: a key may start with '-')",
     )
     defaults = EngineConfig()
     engine = serve.add_argument_group("engine configuration")
@@ -300,7 +301,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY",
-        help="an engine public key to admit (Z85 or a NAME.key file); repeat per engine",
+        help="an engine public key to admit: a NAME.key file, or --curve-allow=KEY (Z85); "
+        "repeat per engine",
     )
     _add_log_level(coordinator)
     return parser

@@ -399,12 +399,9 @@ class TrioMPClient(TrioClientBase):
         secret in the private directory: the public key and the engines' arguments."""
         assert self._ipc_dir is not None
         public, secret = write_key_pair(self._ipc_dir, "local-engines")
-        arguments = [
-            "--curve-secret-key",
-            str(secret),
-            "--curve-server-key",
-            str(curve.keys.public.decode()),
-        ]
+        server_key = curve.keys.public.decode("ascii")
+        # "=": a Z85 key may start with "-", which argparse would take for an option.
+        arguments = ["--curve-secret-key", str(secret), f"--curve-server-key={server_key}"]
         return load_public_key(public), arguments
 
     async def _run_socket_task(

@@ -25,6 +25,8 @@ from trio_enginecore.engine._coordinator import (
 from trio_enginecore.protocol import EngineCoreOutputs, SchedulerStats
 from trio_enginecore.serial import MsgpackEncoder
 
+from .support import free_port
+
 
 def stats(engine: int, waiting: int, running: int) -> EngineCoreOutputs:
     return EngineCoreOutputs(
@@ -131,9 +133,7 @@ async def test_the_coordinator_relays_counts_and_runs_waves_over_real_sockets() 
 
 
 def _free_tcp() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 async def test_the_coordinator_command_serves_over_tcp_with_curve_and_stops_on_sigterm(

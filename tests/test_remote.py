@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncGenerator, Sequence
@@ -42,14 +41,7 @@ from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.client._remote import connectable
 
-from .support import children_of_this_process, expected, request
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+from .support import children_of_this_process, expected, free_port, request
 
 
 class Keys:

@@ -171,6 +171,10 @@ class CurveRefusal:
     public_key: str | None
     reason: str
 
+    def __str__(self) -> str:
+        key = f" with public key {self.public_key}" if self.public_key else ""
+        return f"{self.address}{key}: {self.reason}"
+
 
 async def run_zap_handler(
     ctx: zmq.Context[Any],

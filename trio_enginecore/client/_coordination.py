@@ -22,12 +22,7 @@ logger = logging.getLogger("trio_enginecore.coordinator")
 
 
 def _log_refusal(refusal: CurveRefusal) -> None:
-    logger.warning(
-        "coordinator refused a connection from %s (public key %s): %s",
-        refusal.address,
-        refusal.public_key,
-        refusal.reason,
-    )
+    logger.warning("coordinator refused a connection from %s", refusal)
 
 
 @asynccontextmanager

@@ -30,11 +30,6 @@ __all__ = ["InprocClient", "TrioInprocClient", "open_trio_inproc_client"]
 logger = logging.getLogger("trio_enginecore.client")
 
 
-def _engine_handle(config: EngineConfig) -> EngineHandle:
-    rank = config.data_parallel_rank
-    return EngineHandle(rank=rank, identity=rank.to_bytes(2, "little"))
-
-
 @final
 class TrioInprocClient(TrioClientBase):
     """A Trio client whose engine runs as a task of its own nursery.
@@ -55,7 +50,7 @@ class TrioInprocClient(TrioClientBase):
     ) -> None:
         super().__init__(config, client_index=client_index, max_pending_outputs=max_pending_outputs)
         self.core = EngineCore(config)
-        self._engines = [_engine_handle(config)]
+        self._engines = [EngineHandle.for_rank(config.data_parallel_rank)]
         self._engines[0].ready = self.core.ready_response()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._work = trio.Event()

@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from ..config import EngineConfig
+from ..engine import identity_for_rank
 from ..protocol import EngineCoreReadyResponse
 from ._lb import EngineLoad
 
@@ -108,6 +109,12 @@ class EngineHandle:
     load: EngineLoad = attrs.field(factory=EngineLoad)
     alive: bool = True
     death: str | None = None
+
+    @classmethod
+    def for_rank(cls, rank: int) -> EngineHandle:
+        """A handle for the engine of data-parallel rank ``rank`` (its DEALER identity
+        as vLLM defines it)."""
+        return cls(rank=rank, identity=identity_for_rank(rank))
 
     def describe(self) -> str:
         pid = f", pid {self.process.pid}" if self.process is not None else ""

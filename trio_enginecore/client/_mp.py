@@ -281,9 +281,7 @@ class TrioMPClient(TrioClientBase):
                 "remote engines join through the handshake: give remote= or the attach "
                 "addresses, not both"
             )
-        self._engines = [
-            EngineHandle(rank=rank, identity=rank.to_bytes(2, "little")) for rank in self._ranks()
-        ]
+        self._engines = [EngineHandle.for_rank(rank) for rank in self._ranks()]
         self._remote = remote
         self._nursery = nursery
         local = self._engines
@@ -428,12 +426,7 @@ class TrioMPClient(TrioClientBase):
         return sock
 
     def _refused(self, refusal: CurveRefusal) -> None:
-        logger.warning(
-            "refused a connection from %s (public key %s): %s",
-            refusal.address,
-            refusal.public_key,
-            refusal.reason,
-        )
+        logger.warning("refused a connection from %s", refusal)
         self._refusals.append(refusal)
 
     async def _startup_error(self, timeout_s: float, timed_out: bool) -> EngineStartupError:
@@ -459,12 +452,7 @@ class TrioMPClient(TrioClientBase):
             else:
                 details.append(f"engine rank {engine.rank} never sent its ready message")
         if self._refusals:
-            refused = "; ".join(
-                f"{r.address} with public key {r.public_key}: {r.reason}"
-                if r.public_key
-                else f"{r.address}: {r.reason}"
-                for r in self._refusals[-3:]
-            )
+            refused = "; ".join(str(refusal) for refusal in self._refusals[-3:])
             details.append(
                 f"CURVE authentication refused {len(self._refusals)} connection(s), "
                 f"most recently {refused}"
@@ -699,11 +687,9 @@ class DPTrioMPClient(TrioMPClient):
         super()._on_engine_death(engine)
         self._announce_wave_change()  # wakes waiters, who then raise
 
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closing = True
-            self._announce_wave_change()  # wakes waiters, who then raise
-        await super().aclose()
+    def _fail_waiters_on_close(self) -> None:
+        super()._fail_waiters_on_close()
+        self._announce_wave_change()  # wakes waiters, who then raise
 
     def _ranks(self) -> range:
         rank = self.config.data_parallel_rank

@@ -1,6 +1,6 @@
 """Our codec against vLLM 0.33.0's own golden frames.
 
-For every case in ``shared/vectors/vllm-0.33.0/index.json``:
+For every case in ``tests/data/vllm-0.33.0/index.json``:
 
 * our typed decoder reads the frames to exactly the values vLLM encoded (the index's
   ``python_value``), arrays included, byte for byte and without copying aux frames;

@@ -1,7 +1,8 @@
-"""Access to vLLM's golden wire vectors in ``../shared/vectors/vllm-0.33.0``.
+"""Access to vLLM's golden wire vectors in ``tests/data/vllm-0.33.0``.
 
-The vectors were produced by vLLM 0.33.0's own encoder. They are read in place (never
-copied into this repository); set ``TRIO_ENGINECORE_VECTORS`` to use another folder.
+The vectors were produced by vLLM 0.33.0's own encoder and are kept, unchanged, in this
+repository so that a clone needs nothing beside it. Set ``TRIO_ENGINECORE_VECTORS`` to
+read another folder of the same layout instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 VECTORS_DIR = Path(
-    os.environ.get("TRIO_ENGINECORE_VECTORS", REPO.parent / "shared" / "vectors" / "vllm-0.33.0")
+    os.environ.get("TRIO_ENGINECORE_VECTORS", REPO / "tests" / "data" / "vllm-0.33.0")
 )
 
 
@@ -63,8 +64,8 @@ def index() -> dict[str, Any]:
     path = VECTORS_DIR / "index.json"
     if not path.is_file():
         raise VectorsMissing(
-            f"vLLM golden vectors not found at {path}: the wire-format tests need the "
-            "shared/ folder beside the checkout (or TRIO_ENGINECORE_VECTORS set)"
+            f"vLLM golden vectors not found at {path}: they ship in tests/data/vllm-0.33.0 "
+            "(is TRIO_ENGINECORE_VECTORS pointing somewhere else?)"
         )
     result: dict[str, Any] = json.loads(path.read_text())
     return result

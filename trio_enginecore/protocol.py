@@ -4,7 +4,7 @@ Every message that crosses the sockets between a client and an engine is defined
 here as a :class:`msgspec.Struct` with the same field names, field order, defaults and
 encoding as vLLM 0.33, so a trio-enginecore client can talk to a vLLM engine and a vLLM
 frontend can talk to our reference engine. The golden frames in
-``shared/vectors/vllm-0.33.0`` (produced by vLLM's own encoder) are the executable form
+``tests/data/vllm-0.33.0`` (produced by vLLM's own encoder) are the executable form
 of this module: the test suite decodes each of them with our decoder and re-encodes
 them byte for byte.
 

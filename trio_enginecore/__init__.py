@@ -27,10 +27,12 @@ from .client import (
 )
 from .config import EngineConfig as EngineConfig
 from .errors import (
+    AddressError as AddressError,
     EngineCoreError as EngineCoreError,
     EngineDeadError as EngineDeadError,
     EngineStartupError as EngineStartupError,
     ProtocolError as ProtocolError,
+    RequestFailedError as RequestFailedError,
     UtilityCallError as UtilityCallError,
 )
 from .protocol import (
@@ -51,6 +53,7 @@ from .protocol import (
     LoRARequest as LoRARequest,
     PoolingParams as PoolingParams,
     RequestOutputKind as RequestOutputKind,
+    SamplingKeywords as SamplingKeywords,
     SamplingParams as SamplingParams,
     SchedulerStats as SchedulerStats,
     Tensor as Tensor,
@@ -61,6 +64,7 @@ from .serial import MsgpackDecoder as MsgpackDecoder, MsgpackEncoder as MsgpackE
 
 __all__ = [
     "ENGINE_CORE_DEAD",
+    "AddressError",
     "AsyncEngineCoreClient",
     "ClientStatistics",
     "CoordinatorAddresses",
@@ -93,7 +97,9 @@ __all__ = [
     "ProtocolError",
     "RemoteEngines",
     "RequestOutputKind",
+    "RequestFailedError",
     "RequestStream",
+    "SamplingKeywords",
     "SamplingParams",
     "SchedulerStats",
     "SyncMPClient",

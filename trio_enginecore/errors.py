@@ -6,8 +6,14 @@ so ``except trio_enginecore.errors.EngineCoreError`` catches all of them::
     EngineCoreError
     ├── ProtocolError          a frame or message that does not follow the wire protocol
     ├── EngineStartupError     an engine failed to start or never became ready
+    │   └── AddressError       an address could not be bound or connected to
     ├── EngineDeadError        an engine died while the client was using it
+    ├── RequestFailedError     the engine ended a streamed request with an error
     └── UtilityCallError       an engine-side utility method raised
+
+Mistakes in the arguments of a call (a request id that is not a ``str``, a request id
+already in flight, ...) are the built-in ``TypeError`` and ``ValueError``, raised before
+anything is sent.
 
 ``trio.Cancelled``, ``KeyboardInterrupt`` and the caller's own exceptions are never
 wrapped in these.
@@ -16,10 +22,12 @@ wrapped in these.
 from __future__ import annotations
 
 __all__ = [
+    "AddressError",
     "EngineCoreError",
     "EngineDeadError",
     "EngineStartupError",
     "ProtocolError",
+    "RequestFailedError",
     "UtilityCallError",
 ]
 
@@ -41,12 +49,57 @@ class EngineStartupError(EngineCoreError):
     """An engine process failed to start, exited early, or never sent its ready message."""
 
 
+class AddressError(EngineStartupError):
+    """A ZeroMQ address could not be used: malformed, unknown transport, in use, or
+    on an interface this host does not have.
+
+    Attributes:
+        address: the address as given.
+        reason: what ZeroMQ (or the check before it) said, e.g. ``"Address already in use"``.
+    """
+
+    def __init__(self, address: str, reason: str, *, role: str = "") -> None:
+        where = f" ({role})" if role else ""
+        super().__init__(f"cannot use address {address!r}{where}: {reason}")
+        self.address = address
+        self.reason = reason
+        self.role = role
+
+
 class EngineDeadError(EngineCoreError):
     """An engine died (or reported a fatal error) while requests were in flight.
 
     Every waiter on that engine (streams, utility calls, ``get_output``) receives this
     error; the client cannot be used with that engine afterwards.
     """
+
+
+class RequestFailedError(EngineCoreError):
+    """The engine finished a streamed request with ``FinishReason.ERROR``.
+
+    Raised by iterating a :class:`~trio_enginecore.RequestStream`, after every output
+    that came before the error was delivered. The engine rejects a request this way
+    when it cannot serve it (empty prompt, prompt too long, token id out of the
+    vocabulary, ...) and keeps serving every other request. The batch API does not
+    raise: its output carries ``finish_reason=ERROR`` and ``error``, as in vLLM.
+
+    Attributes:
+        request_id: the request's id.
+        code: the engine's error code (``"invalid_request"``, ...), or ``"unknown"``
+            when the engine sent none.
+        engine_message: the engine's message, verbatim ("" when it sent none).
+        retryable: whether the engine says the same request may succeed later.
+    """
+
+    def __init__(
+        self, request_id: str, code: str, engine_message: str, *, retryable: bool = False
+    ) -> None:
+        detail = engine_message or "the engine gave no reason"
+        super().__init__(f"request {request_id!r} failed on the engine ({code}): {detail}")
+        self.request_id = request_id
+        self.code = code
+        self.engine_message = engine_message
+        self.retryable = retryable
 
 
 class UtilityCallError(EngineCoreError):

@@ -58,7 +58,9 @@ from __future__ import annotations
 import enum
 import math
 import time
-from typing import Any, ClassVar, Final, NamedTuple
+import uuid
+from collections.abc import Iterable
+from typing import Any, ClassVar, Final, NamedTuple, TypedDict, Unpack
 
 import msgspec
 import numpy as np
@@ -87,6 +89,7 @@ __all__ = [
     "RepetitionDetectionParams",
     "RequestError",
     "RequestOutputKind",
+    "SamplingKeywords",
     "SamplingParams",
     "SchedulerStats",
     "StartDPWave",
@@ -504,6 +507,38 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         return self._bad_words_token_ids
 
 
+class SamplingKeywords(TypedDict, total=False):
+    """The :class:`SamplingParams` fields :meth:`EngineCoreRequest.for_tokens` accepts
+    as keywords. Each has the same meaning and default as in :class:`SamplingParams`."""
+
+    n: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: str | list[str] | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool
+    max_tokens: int | None
+    min_tokens: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    detokenize: bool
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    output_kind: RequestOutputKind
+    stream_interval: int | None
+    structured_outputs: StructuredOutputsParams | None
+    logit_bias: dict[int, float] | None
+    allowed_token_ids: list[int] | None
+    extra_args: dict[str, Any] | None
+    bad_words: list[str] | None
+
+
 class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Which LoRA adapter a request uses (vLLM's ``LoRARequest``)."""
 
@@ -560,6 +595,79 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     abort_immediately: bool = False
     session_id: str | None = None
     kv_hints: Any = None
+
+    @classmethod
+    def for_tokens(
+        cls,
+        prompt_token_ids: Iterable[int],
+        *,
+        request_id: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        data_parallel_rank: int | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+        **sampling: Unpack[SamplingKeywords],
+    ) -> EngineCoreRequest:
+        """A generation request for a tokenized prompt, every other field defaulted.
+
+        ::
+
+            request = EngineCoreRequest.for_tokens([1, 2, 3], max_tokens=8, seed=1)
+
+        Args:
+            prompt_token_ids: the prompt's token ids (a list, any iterable of ints, or
+                a 1-d numpy integer array).
+            request_id: the request's id; by default a new unique one (``req-`` and
+                32 hex digits). Give your own to find the request in logs; it must
+                not be in flight on the same client.
+            sampling_params: the whole :class:`SamplingParams`; or give its fields as
+                keywords instead (``max_tokens=8, temperature=0.7, ...``; see
+                :class:`SamplingKeywords`), not both. With neither, vLLM's defaults
+                (16 tokens at most, temperature 1).
+            arrival_time: wall-clock time of arrival (``time.time()``); now by default.
+            data_parallel_rank: with several engines, the rank that must serve it.
+            priority: lower values are scheduled first by priority schedulers.
+            lora_request: the LoRA adapter to use.
+            cache_salt: isolates this request's prefix-cache entries.
+
+        Raises:
+            TypeError: ``prompt_token_ids`` is a string, or both ``sampling_params`` and
+                sampling keywords were given.
+            ValueError: a sampling value is out of range (from :class:`SamplingParams`).
+
+        The wire format is the same as with the positional constructor. Field types
+        are checked when the request is submitted (``add_request``, ``stream``).
+        """
+        if isinstance(prompt_token_ids, str | bytes):
+            raise TypeError(
+                "prompt_token_ids must be token ids (ints), not a string: tokenize the "
+                "prompt first"
+            )
+        if isinstance(prompt_token_ids, np.ndarray):
+            prompt: list[int] = prompt_token_ids.tolist()
+        else:
+            prompt = list(prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams(**sampling)
+        elif sampling:
+            raise TypeError(
+                "give either sampling_params or sampling keywords, not both "
+                f"(got sampling_params and {', '.join(sorted(sampling))})"
+            )
+        return cls(
+            request_id=f"req-{uuid.uuid4().hex}" if request_id is None else request_id,
+            prompt_token_ids=prompt,
+            mm_features=None,
+            sampling_params=sampling_params,
+            pooling_params=None,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+            data_parallel_rank=data_parallel_rank,
+            priority=priority,
+        )
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, gc=False):

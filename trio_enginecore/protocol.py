@@ -642,8 +642,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         """
         if isinstance(prompt_token_ids, str | bytes):
             raise TypeError(
-                "prompt_token_ids must be token ids (ints), not a string: tokenize the "
-                "prompt first"
+                "prompt_token_ids must be token ids (ints), not a string: tokenize the prompt first"
             )
         if isinstance(prompt_token_ids, np.ndarray):
             prompt: list[int] = prompt_token_ids.tolist()

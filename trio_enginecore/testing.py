@@ -41,6 +41,7 @@ from .protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    RequestError,
     UtilityOutput,
     UtilityRequest,
     UtilityResult,
@@ -56,6 +57,7 @@ class ScriptedResponse:
     steps: tuple[tuple[int, ...], ...]
     finish_reason: FinishReason = FinishReason.LENGTH
     stop_reason: int | str | None = None
+    error: RequestError | None = None
 
 
 UtilityHandler = Callable[..., Any]
@@ -94,14 +96,23 @@ class FakeEngine:
         *,
         finish_reason: FinishReason = FinishReason.LENGTH,
         stop_reason: int | str | None = None,
+        error: str | None = None,
     ) -> None:
         """Answer request ``request_id`` with these token lists, one per step.
 
         The last step carries ``finish_reason``. An empty ``steps`` finishes the
-        request at once with no token.
+        request at once with no token. ``error`` makes the engine fail the request
+        after those steps, as a real engine rejects one (``FinishReason.ERROR`` with
+        this message; a stream then raises
+        :class:`~trio_enginecore.errors.RequestFailedError`).
         """
+        if error is not None:
+            finish_reason = FinishReason.ERROR
         self._scripts[request_id] = ScriptedResponse(
-            tuple(tuple(step) for step in steps), finish_reason, stop_reason
+            tuple(tuple(step) for step in steps),
+            finish_reason,
+            stop_reason,
+            None if error is None else RequestError("invalid_request", error),
         )
 
     def on_utility(self, method: str, handler: UtilityHandler) -> None:
@@ -194,6 +205,7 @@ class FakeEngineClient(TrioClientBase):
                         list(tokens),
                         finish_reason=response.finish_reason if last else None,
                         stop_reason=response.stop_reason if last else None,
+                        error=response.error if last else None,
                     )
                     self._handle_outputs(EngineCoreOutputs(outputs=[output]))
         finally:

@@ -37,6 +37,7 @@ from ._collector import BatchCollector
 from ._launch import EngineHandle
 from ._lb import consensus
 from ._stream import RequestStream
+from ._validate import check_request, check_requests
 
 __all__ = ["AsyncEngineCoreClient", "ClientStatistics", "TrioClientBase"]
 
@@ -308,12 +309,17 @@ class TrioClientBase(AsyncEngineCoreClient):
 
         Sets ``request.client_index`` to this client's index.
 
+        The request is checked first: nothing is sent or registered if it raises.
+
         Raises:
-            ValueError: a request with this id is already in flight.
+            TypeError: a field of the request has the wrong type (the message names
+                it), e.g. a request id that is not a ``str``.
+            ValueError: a request with this id is already in flight on this client, or
+                a field has an impossible value (an empty id, a negative token id).
             EngineDeadError: the engine has died.
             trio.ClosedResourceError: the client is shutting down.
         """
-        await self._send_add(request, stream=None)
+        await self._send_add(request, streamed=False)
 
     async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         """Send several requests with a single checkpoint.
@@ -324,17 +330,16 @@ class TrioClientBase(AsyncEngineCoreClient):
         respect to cancellation: if it raises ``Cancelled``, none was sent.
 
         Raises:
-            ValueError: two requests share an id, or one is already in flight; then
-                none was sent.
+            TypeError: a field of one request has the wrong type; then none was sent.
+            ValueError: two requests share an id, one is already in flight, or a field
+                has an impossible value; then none was sent.
             EngineDeadError: the engine has died.
             trio.ClosedResourceError: the client is shutting down.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._raise_if_unusable()
         batch = list(requests)
-        ids = [request.request_id for request in batch]
-        if len(set(ids)) != len(ids) or any(i in self._inflight for i in ids):
-            raise ValueError("duplicate request ids, or requests already in flight")
+        check_requests(batch, self._inflight)
         pending = list(batch)
         while pending:
             request = pending[0]
@@ -347,7 +352,7 @@ class TrioClientBase(AsyncEngineCoreClient):
                 # Not with the unbounded queues the clients use; go the slow way.
                 self._forget(request.request_id)
                 for rest in pending:
-                    await self._send_add(rest, stream=None)
+                    await self._send_add(rest, streamed=False)
                 return
             pending.pop(0)
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -406,12 +411,17 @@ class TrioClientBase(AsyncEngineCoreClient):
         bounded by ``abort_timeout_s``. Entering is atomic with respect to
         cancellation (a cancelled entry sent nothing).
 
+        If the engine rejects or fails the request (it finishes it with
+        ``FinishReason.ERROR``), iterating the stream raises
+        :class:`~trio_enginecore.errors.RequestFailedError` with the engine's message,
+        after every output that came before the error.
+
         Raises:
-            ValueError: a request with this id is already in flight.
+            TypeError, ValueError: on entry, as :meth:`add_request`; nothing was sent.
             EngineDeadError: the engine has died (on entry, or from the stream).
         """
-        stream = RequestStream(request.request_id, on_close=self._stream_closed)
-        await self._send_add(request, stream=stream)
+        stream = await self._send_add(request, streamed=True)
+        assert stream is not None
         self._open_streams += 1
         try:
             yield stream
@@ -531,12 +541,16 @@ class TrioClientBase(AsyncEngineCoreClient):
             if call_id not in self._calls:
                 return call_id
 
-    async def _send_add(self, request: EngineCoreRequest, *, stream: RequestStream | None) -> None:
+    async def _send_add(
+        self, request: EngineCoreRequest, *, streamed: bool
+    ) -> RequestStream | None:
         await trio.lowlevel.checkpoint_if_cancelled()
+        check_request(request)
         self._raise_if_unusable()
         request_id = request.request_id
         if request_id in self._inflight:
-            raise ValueError(f"request {request_id!r} is already in flight")
+            raise ValueError(f"request {request_id!r} is already in flight on this client")
+        stream = RequestStream(request_id, on_close=self._stream_closed) if streamed else None
         engine = self._engine_for(request)
         request.client_index = self.client_index
         # Register before sending: the reply may be received before send returns.
@@ -550,6 +564,7 @@ class TrioClientBase(AsyncEngineCoreClient):
             if stream is not None:
                 self._streams.pop(request_id, None)
             raise
+        return stream
 
     def _track(self, request_id: str, engine: EngineHandle) -> None:
         self._inflight[request_id] = engine

@@ -24,6 +24,7 @@ from ..protocol import EngineCoreOutputs, EngineCoreRequest, UtilityOutput, Util
 from ._base import ClientStatistics, TrioClientBase, run_client
 from ._launch import EngineHandle
 from ._sync import EngineCoreClient
+from ._validate import check_request
 
 __all__ = ["InprocClient", "TrioInprocClient", "open_trio_inproc_client"]
 
@@ -185,9 +186,10 @@ class InprocClient(EngineCoreClient):
             self._pending.append(message)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        check_request(request)
         self._check()
         if request.request_id in self._inflight:
-            raise ValueError(f"request {request.request_id!r} is already in flight")
+            raise ValueError(f"request {request.request_id!r} is already in flight on this client")
         request.client_index = 0
         self._inflight.add(request.request_id)
         self.core.add_request(request)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, final
 
+import msgspec
 import trio
 
-from ..errors import EngineDeadError
-from ..protocol import EngineCoreOutput, FinishReason
+from ..errors import EngineDeadError, RequestFailedError
+from ..protocol import EngineCoreOutput, FinishReason, RequestError
 from ._collector import merge_outputs
 
 if TYPE_CHECKING:
@@ -27,6 +28,12 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
     finish reason kept), so a slow reader never holds up other streams and every token
     is still delivered exactly once.
 
+    If the engine finishes the request with ``FinishReason.ERROR`` (it rejected the
+    request, or failed while serving it), the tokens that came before are delivered
+    first (as an output with no finish reason), then :meth:`receive` raises
+    :class:`~trio_enginecore.errors.RequestFailedError` carrying the engine's message,
+    and keeps raising it.
+
     :meth:`receive` is atomic with respect to cancellation: it either returns an output
     or raises :class:`trio.Cancelled` leaving the stream unchanged.
     """
@@ -38,6 +45,7 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
         self._finished_received = False
         self._finished_delivered = False
         self._failure: str | None = None
+        self._request_error: RequestError | None = None
         self._closed = False
         self._event: trio.Event | None = None
         self._receiving = False
@@ -86,6 +94,7 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
 
         Raises:
             trio.EndOfChannel: the finished output was already delivered. Not an error.
+            RequestFailedError: the engine finished the request with an error.
             EngineDeadError: the engine died before the request finished.
             trio.ClosedResourceError: the stream was closed.
             trio.BusyResourceError: another task is already receiving on this stream.
@@ -99,6 +108,8 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
             while self._pending is None:
                 if self._closed:
                     raise trio.ClosedResourceError("this stream was closed")
+                if self._request_error is not None:
+                    raise self._request_failed()
                 if self._finished_delivered:
                     raise trio.EndOfChannel
                 if self._failure is not None:
@@ -111,9 +122,25 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
         output, self._pending = self._pending, None
         if output.finish_reason is not None:
             self._finished_delivered = True
+            if output.finish_reason is FinishReason.ERROR:
+                self._request_error = output.error or RequestError("unknown", "")
+                if not output.new_token_ids:
+                    raise self._request_failed()
+                # Tokens merged into the failed output came before the failure: they
+                # are delivered first, the error on the next receive.
+                output = msgspec.structs.replace(
+                    output, finish_reason=None, stop_reason=None, error=None
+                )
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return output
+
+    def _request_failed(self) -> RequestFailedError:
+        error = self._request_error
+        assert error is not None
+        return RequestFailedError(
+            self.request_id, error.code, error.message, retryable=error.retryable
+        )
 
     async def aclose(self) -> None:
         """Close the stream; pending outputs are dropped.

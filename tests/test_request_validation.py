@@ -141,6 +141,9 @@ def _good(**changes: Any) -> EngineCoreRequest:
         ({"prompt_token_ids": np.array([1, 2])}, TypeError, r"list of int.*\.tolist\(\)"),
         ({"prompt_token_ids": (1, 2)}, TypeError, r"prompt_token_ids must be a list of int"),
         ({"prompt_token_ids": [3, -1]}, ValueError, r"prompt_token_ids\[1\] is -1"),
+        ({"prompt_token_ids": [*range(500), "x"]}, TypeError, r"item 500 is str 'x'"),
+        ({"prompt_token_ids": [*range(500), -3]}, ValueError, r"prompt_token_ids\[500\] is -3"),
+        ({"prompt_token_ids": [*range(500), False]}, TypeError, r"item 500 is bool False"),
         ({"prompt_token_ids": None}, ValueError, r"needs prompt_token_ids"),
         ({"sampling_params": {"max_tokens": 4}}, TypeError, r"sampling_params must be a"),
         ({"sampling_params": None}, ValueError, r"needs sampling_params .* or pooling_params"),
@@ -170,6 +173,7 @@ def test_good_requests_pass_including_an_empty_prompt_left_to_the_engine() -> No
     check_request(_good())
     check_request(_good(prompt_token_ids=[]))
     check_request(_good(arrival_time=0))
+    check_request(_good(prompt_token_ids=list(range(5000))))
 
 
 def test_a_batch_names_the_id_used_twice_or_already_in_flight() -> None:

@@ -15,8 +15,11 @@ a stream then raises :class:`~trio_enginecore.errors.RequestFailedError`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Container
-from typing import Final
+from typing import Annotated, Final
+
+import msgspec
 
 from ..protocol import EngineCoreRequest, LoRARequest, PoolingParams, SamplingParams, Tensor
 
@@ -28,6 +31,7 @@ _OPTIONAL: Final[tuple[tuple[str, type | tuple[type, ...], str], ...]] = (
     ("pooling_params", PoolingParams, "a PoolingParams"),
     ("lora_request", LoRARequest, "a LoRARequest"),
     ("cache_salt", str, "a str"),
+    ("data_parallel_rank", int, "an int"),
     ("prompt_embeds", Tensor, "a Tensor"),
     ("prompt_is_token_ids", list, "a list of bool"),
     ("trace_headers", dict, "a dict of str to str"),
@@ -36,16 +40,16 @@ _OPTIONAL: Final[tuple[tuple[str, type | tuple[type, ...], str], ...]] = (
     ("reasoning_parser_kwargs", dict, "a dict"),
     ("session_id", str, "a str"),
 )
+_optional_values: Final = operator.attrgetter(*(name for name, _, _ in _OPTIONAL))
+_INTS: Final = ("priority", "client_index", "current_wave")
 _FLAGS: Final = ("resumable", "abort_immediately")
+_TOKEN_IDS: Final = list[Annotated[int, msgspec.Meta(ge=0)]]
+# Below this many tokens one pass over the types in Python wins; above, msgspec's C.
+_SHORT_PROMPT: Final = 64
 
 
 def _kind(value: object) -> str:
     return f"{type(value).__name__} {value!r}"[:120]
-
-
-def _is_int(value: object) -> bool:
-    # bool is an int to Python, not to a reader of "priority=True".
-    return type(value) is int
 
 
 def check_request(request: object) -> None:
@@ -53,7 +57,8 @@ def check_request(request: object) -> None:
 
     Checks the type of every field a caller sets (the request id, the prompt's token
     ids, the sampling or pooling parameters, ...). It does not check what only the
-    engine knows (vocabulary size, maximum length).
+    engine knows (vocabulary size, maximum length). About 1.5 µs for a short prompt:
+    the common case (optional fields all None) is decided by a few C-level calls.
     """
     if not isinstance(request, EngineCoreRequest):
         raise TypeError(f"expected an EngineCoreRequest, got {_kind(request)}")
@@ -74,29 +79,38 @@ def check_request(request: object) -> None:
             "EngineCoreRequest needs sampling_params (generation) or pooling_params (pooling)"
         )
     arrival = request.arrival_time
-    if type(arrival) is not float and not _is_int(arrival):
+    if type(arrival) is not float and type(arrival) is not int:
         raise TypeError(
             f"EngineCoreRequest.arrival_time must be a float (time.time()), got {_kind(arrival)}"
         )
-    for name in ("priority", "client_index", "current_wave"):
-        if not _is_int(getattr(request, name)):
-            raise TypeError(
-                f"EngineCoreRequest.{name} must be an int, got {_kind(getattr(request, name))}"
-            )
-    rank = request.data_parallel_rank
-    if rank is not None and not _is_int(rank):
-        raise TypeError(
-            f"EngineCoreRequest.data_parallel_rank must be an int or None, got {_kind(rank)}"
-        )
-    for name, types, what in _OPTIONAL:
-        value = getattr(request, name)
-        if value is not None and not isinstance(value, types):
-            raise TypeError(f"EngineCoreRequest.{name} must be {what} or None, got {_kind(value)}")
-    for name in _FLAGS:
-        if type(getattr(request, name)) is not bool:
-            raise TypeError(
-                f"EngineCoreRequest.{name} must be a bool, got {_kind(getattr(request, name))}"
-            )
+    # `type(v) is int` everywhere: bool is an int to Python, not to a reader of
+    # "priority=True".
+    if not (
+        type(request.priority) is int
+        and type(request.client_index) is int
+        and type(request.current_wave) is int
+    ):
+        for name in _INTS:
+            value = getattr(request, name)
+            if type(value) is not int:
+                raise TypeError(f"EngineCoreRequest.{name} must be an int, got {_kind(value)}")
+    optional: tuple[object, ...] = _optional_values(request)
+    if optional.count(None) != len(optional):
+        for (name, types, what), value in zip(_OPTIONAL, optional, strict=True):
+            if value is not None and _wrong_type(value, types):
+                raise TypeError(
+                    f"EngineCoreRequest.{name} must be {what} or None, got {_kind(value)}"
+                )
+    flags: tuple[object, object] = (request.resumable, request.abort_immediately)
+    if type(flags[0]) is not bool or type(flags[1]) is not bool:
+        for name in _FLAGS:
+            value = getattr(request, name)
+            if type(value) is not bool:
+                raise TypeError(f"EngineCoreRequest.{name} must be a bool, got {_kind(value)}")
+
+
+def _wrong_type(value: object, types: type | tuple[type, ...]) -> bool:
+    return not isinstance(value, types) or (types is int and type(value) is not int)
 
 
 def _check_prompt(request: EngineCoreRequest) -> None:
@@ -114,17 +128,27 @@ def _check_prompt(request: EngineCoreRequest) -> None:
         )
     if not tokens:
         return  # the engine rejects an empty prompt, with its own message
-    # One pass in C over the types; the slow search only runs to name the culprit.
-    if set(map(type, tokens)) != {int}:
-        index, token = next((i, t) for i, t in enumerate(tokens) if type(t) is not int)
-        raise TypeError(
-            f"EngineCoreRequest.prompt_token_ids must hold ints, but item {index} is {_kind(token)}"
-        )
-    if min(tokens) < 0:
-        index = tokens.index(min(tokens))
-        raise ValueError(
-            f"EngineCoreRequest.prompt_token_ids[{index}] is {tokens[index]}: token ids are >= 0"
-        )
+    if len(tokens) <= _SHORT_PROMPT:
+        if set(map(type, tokens)) == {int} and min(tokens) >= 0:
+            return
+    else:
+        try:
+            msgspec.convert(tokens, _TOKEN_IDS)
+        except msgspec.ValidationError:
+            pass
+        else:
+            return
+    # Something is wrong: the slow search only runs to name the culprit.
+    for index, token in enumerate(tokens):
+        if type(token) is not int:
+            raise TypeError(
+                f"EngineCoreRequest.prompt_token_ids must hold ints, but item {index} is "
+                f"{_kind(token)}"
+            )
+        if token < 0:
+            raise ValueError(
+                f"EngineCoreRequest.prompt_token_ids[{index}] is {token}: token ids are >= 0"
+            )
 
 
 def check_requests(requests: list[EngineCoreRequest], in_flight: Container[str]) -> None:

@@ -6,12 +6,14 @@ Build with ``nox -s docs`` (warnings are errors, broken references fail), or by 
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 import types
 from pathlib import Path
 from typing import Any
 
+import attrs
 import msgspec
 from sphinx.application import Sphinx
 
@@ -22,7 +24,7 @@ import trio_enginecore
 
 project = "trio-enginecore"
 author = "The trio-enginecore developers"
-copyright = "the trio-enginecore developers"
+copyright = "2026, The trio-enginecore developers"
 release = trio_enginecore.__version__
 version = release
 
@@ -50,6 +52,9 @@ autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
 autodoc_class_signature = "mixed"
+# A signature longer than this is shown one parameter per line: the configuration's
+# thirteen fields with their defaults, instead of a wrapped wall of text.
+python_maximum_signature_line_length = 88
 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -63,7 +68,7 @@ napoleon_use_rtype = False
 nitpicky = True
 nitpick_ignore_regex = [
     # Third-party and standard-library names: no inventory to resolve them against.
-    (r"py:.*", r"(trio|msgspec|numpy|np|npt|zmq|attrs)(\..*)?"),
+    (r"py:.*", r"(trio|msgspec|numpy|np|npt|zmq|attrs|hypercorn|httpx)(\..*)?"),
     (
         r"py:.*",
         r"(contextlib|collections\.abc|typing|types|enum|abc|threading|random|os|pathlib)\..*",
@@ -81,7 +86,11 @@ nitpick_ignore = [
 
 html_theme = "furo"
 html_title = f"trio-enginecore {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+# Wide code blocks and tables scroll sideways, with a visible scrollbar and a shadow on
+# the side that has more to see (the reasons are in the stylesheet).
+html_css_files = ["wide-content.css"]
+html_js_files = ["wide-content.js"]
 
 
 # -- docstring and signature fix-ups ------------------------------------------------
@@ -130,7 +139,98 @@ def _struct_factory_defaults(
     return signature, return_annotation
 
 
+class _Expression:
+    """A default shown as the Python expression ``text`` (autodoc writes its repr)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _attrs_class_of_init(function: object) -> type | None:
+    """The attrs class whose generated ``__init__`` is ``function``, or None."""
+    owner_name, _, method = getattr(function, "__qualname__", "").rpartition(".")
+    if method != "__init__" or not owner_name or "<locals>" in owner_name:
+        return None
+    owner: object = sys.modules.get(getattr(function, "__module__", None) or "")
+    for part in owner_name.split("."):
+        owner = getattr(owner, part, None)
+    if not (isinstance(owner, type) and attrs.has(owner)):
+        return None
+    return owner if vars(owner).get("__init__") is function else None
+
+
+def _attrs_init_defaults(app: Sphinx, obj: object, bound_method: bool) -> None:
+    """Give attrs classes their real defaults (``model: str = 'counter'``).
+
+    With ``autodoc_preserve_defaults``, autodoc reads each default from the source of
+    the function, and the ``__init__`` attrs generates is in the line cache: its source
+    says ``model=attr_dict['model'].default``, which is what the pages showed. Its
+    evaluated defaults are the right ones, so this drops the signature autodoc built
+    from the source and uses the function's own, with ``factory=`` defaults
+    (``NOTHING`` there) written as a call (``Random()``). It must run after autodoc's
+    own fix-up: Sphinx 9 makes it before emitting this event, Sphinx 8 in a handler of
+    this event at the default priority, hence the later priority in :func:`setup`.
+    """
+    cls = _attrs_class_of_init(obj)
+    if cls is None:
+        return
+    vars(obj).pop("__signature__", None)
+    by_alias = {field.alias: field for field in attrs.fields(cls)}
+    signature = inspect.signature(obj)
+    parameters = []
+    for parameter in signature.parameters.values():
+        field = by_alias.get(parameter.name)
+        if field is not None and isinstance(field.default, attrs.Factory):
+            name = getattr(field.default.factory, "__qualname__", "factory")
+            parameter = parameter.replace(default=_Expression(f"{name}()"))
+        parameters.append(parameter)
+    obj.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+
+
+def _attrs_field_default(
+    app: Sphinx, what: str, name: str, obj: object, options: Any, lines: list[str]
+) -> None:
+    """End the description of an attrs field with its default (``Default: 'counter'``)."""
+    if what != "attribute":
+        return
+    owner_name, _, field_name = name.rpartition(".")
+    try:
+        owner = _resolve_name(owner_name)
+    except (ImportError, AttributeError):
+        return
+    if not (isinstance(owner, type) and attrs.has(owner)):
+        return
+    field = attrs.fields_dict(owner).get(field_name)
+    if field is None or field.default is attrs.NOTHING:
+        return
+    if isinstance(field.default, attrs.Factory):
+        factory = getattr(field.default.factory, "__qualname__", "factory")
+        default = f"a new ``{factory}()``"
+    else:
+        default = f"``{field.default!r}``"
+    lines.extend(["", f"Default: {default}."])
+
+
+def _resolve_name(qualified_name: str) -> object:
+    """The object named ``package.module.Class``, from the modules already imported."""
+    parts = qualified_name.split(".")
+    for split in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:split])
+        if module_name not in sys.modules:
+            continue
+        obj: object = sys.modules[module_name]
+        for part in parts[split:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(qualified_name)
+
+
 def setup(app: Sphinx) -> None:
     # Before napoleon (priority 500), so that napoleon sees the empty comment.
     app.connect("autodoc-process-docstring", _plain_attribute_docstrings, priority=100)
     app.connect("autodoc-process-signature", _struct_factory_defaults)
+    app.connect("autodoc-before-process-signature", _attrs_init_defaults, priority=900)
+    app.connect("autodoc-process-docstring", _attrs_field_default)

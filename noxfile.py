@@ -66,7 +66,10 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The side-by-side benchmark (Trio vs vLLM-style asyncio vs blocking pyzmq).
 
-    Writes benchmarks/results/results.{json,md,png}. Pass --quick for a smoke run.
+    Writes benchmarks/results/results.{json,md,png}. ``-- --quick`` is a smoke run: it
+    writes a new temporary directory instead (named on stderr), never the committed
+    results; ``-- --out DIR`` writes DIR, for either. ``-- --redraw
+    benchmarks/results/results.json`` only draws the chart again.
     """
     session.install("-e", ".", *_group("bench"))
     session.run("python", "-m", "benchmarks.run", *session.posargs)

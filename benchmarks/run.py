@@ -2,6 +2,7 @@
 the blocking limit, on the same reference engine, in one run.
 
     python -m benchmarks.run [--quick] [--repeats N] [--out DIR]
+    python -m benchmarks.run --redraw RESULTS_JSON [--out DIR]
 
 Every measurement runs in a fresh worker process (``benchmarks/worker.py``) against a
 fresh engine process, so CPU accounting is per process and nothing is shared between
@@ -10,7 +11,12 @@ clients. Clients alternate (A B C D, A B C D, ...) and every figure is the media
 measured in the same run: machines differ, ratios travel.
 
 Writes ``results.json`` (every run and the medians), ``results.md`` (the tables) and
-``results.png`` (client CPU per token against concurrency) into ``--out``.
+``results.png`` (client CPU per token against concurrency) into ``--out``: by default
+``benchmarks/results/`` for a full run, and a new temporary directory for ``--quick``
+(whose figures mean nothing, so it never replaces the committed ones). It says where on
+stderr. ``--redraw`` draws ``results.png`` again from an existing ``results.json``.
+Progress goes to stderr: one line redrawn in place on a terminal, otherwise a plain
+line every few seconds at most.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ GENERATE_CLIENTS = ["trio-batch", "trio-stream", "asyncio", "blocking"]
 RECV_CLIENTS = ["trio-batch", "asyncio", "blocking"]
 ARRAY_CLIENTS = ["trio", "raw-pyzmq", "memcpy"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""Where the committed figures live: a full run writes here unless told otherwise."""
 
 
 # ------------------------------------------------------------------- processes
@@ -190,6 +198,9 @@ def plan(quick: bool) -> list[dict[str, Any]]:
 
 
 def execute(groups: list[dict[str, Any]], repeats: int) -> list[dict[str, Any]]:
+    from trio_enginecore._bench import ProgressLine
+
+    progress = ProgressLine()
     runs: list[dict[str, Any]] = []
     total = sum(len(g["clients"]) for g in groups) * repeats
     done = 0
@@ -216,14 +227,11 @@ def execute(groups: list[dict[str, Any]], repeats: int) -> list[dict[str, Any]]:
                 )
                 done += 1
                 elapsed = time.monotonic() - started
-                print(
-                    f"\r[{done}/{total}] {group['workload']} {group['key']} {client}"
-                    f"  ({elapsed:.0f} s)        ",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
+                progress.update(
+                    f"[{done}/{total}] {group['workload']} {group['key']} {client}"
+                    f"  ({elapsed:.0f} s)"
                 )
-    print(file=sys.stderr)
+    progress.done(f"[{done}/{total}] measured in {time.monotonic() - started:.0f} s")
     return runs
 
 
@@ -413,7 +421,25 @@ def _simple_table(
     return [*out, ""]
 
 
-def chart(rows: list[dict[str, Any]], path: Path) -> bool:
+def panel_title(step_time_s: float) -> str:
+    """The title of one panel of the chart: what it shows, and which way is better."""
+    return f"engine step {step_time_s * 1e3:g} ms, T = 64: lower is better"
+
+
+def figure_caption(machine: dict[str, Any], quick: bool) -> str:
+    """The chart's caption: when and where it was measured (as in results.md)."""
+    caption = (
+        f"Measured {machine['date']} on {machine['cpus']} CPUs ({machine['processor']}), "
+        f"Python {machine['python']}, {machine['platform']}. Medians; client process CPU time."
+    )
+    if quick:
+        caption += " Quick mode: not meaningful."
+    return caption
+
+
+def chart(
+    rows: list[dict[str, Any]], path: Path, machine: dict[str, Any], *, quick: bool = False
+) -> bool:
     """Client CPU per token against concurrency, one line per client and step time."""
     try:
         import matplotlib
@@ -424,7 +450,7 @@ def chart(rows: list[dict[str, Any]], path: Path) -> bool:
         print("matplotlib is not installed: no chart", file=sys.stderr)
         return False
     steps = sorted({r["step_time_s"] for r in rows if r["workload"] == "generate"})
-    fig, axes = plt.subplots(1, len(steps), figsize=(6 * len(steps), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(steps), figsize=(6 * len(steps), 5), squeeze=False)
     for ax, step in zip(axes[0], steps, strict=True):
         for client in GENERATE_CLIENTS:
             points = sorted(
@@ -439,11 +465,12 @@ def chart(rows: list[dict[str, Any]], path: Path) -> bool:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("concurrent requests (C)")
-        ax.set_ylabel("client CPU µs per output token")
-        ax.set_title(f"engine step {step * 1e3:g} ms, T = 64")
+        ax.set_ylabel("client CPU µs per output token (lower is better)")
+        ax.set_title(panel_title(step))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.tight_layout()
+    fig.text(0.5, 0.01, figure_caption(machine, quick), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -459,19 +486,77 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def output_dir(out: Path | None, *, quick: bool) -> Path:
+    """Where a run writes: ``out`` if given, else the committed results for a full run
+    and a new temporary directory for a quick one.
+
+    Raises:
+        ValueError: a quick run told to write over the committed results.
+    """
+    if out is None:
+        if quick:
+            return Path(tempfile.mkdtemp(prefix="trio-enginecore-bench-quick-"))
+        return RESULTS_DIR
+    if quick and out.resolve() == RESULTS_DIR:
+        raise ValueError(
+            f"a --quick run does not replace the committed figures in {RESULTS_DIR}; "
+            "give another --out (or none, for a temporary directory)"
+        )
+    return out
+
+
+def redraw(results_json: Path, out: Path | None) -> Path | None:
+    """Draw ``results.png`` again from a ``results.json`` (into ``out``, by default the
+    JSON file's directory); the path drawn, or None without matplotlib."""
+    data = json.loads(results_json.read_text())
+    path = (out if out is not None else results_json.parent) / "results.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    drawn = chart(data["medians"], path, data["machine"], quick=bool(data.get("quick")))
+    return path if drawn else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="A full run writes benchmarks/results/ by default; a --quick run writes a "
+        "new temporary directory. Either says where on stderr.",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--repeats", type=int, default=None, help="runs per figure (3; quick 1)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where to write results.{json,md,png} (default: benchmarks/results for a full "
+        "run, a new temporary directory for --quick)",
+    )
+    parser.add_argument(
+        "--redraw",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="measure nothing: draw results.png again from this results.json (into --out, "
+        "by default beside it)",
+    )
     args = parser.parse_args(argv)
+    if args.redraw is not None:
+        drawn = redraw(args.redraw, args.out)
+        if drawn is None:
+            return 1
+        print(f"chart written to {drawn}", file=sys.stderr)
+        return 0
+    try:
+        out = output_dir(args.out, quick=args.quick)
+    except ValueError as exc:
+        parser.error(str(exc))
     repeats = args.repeats or (1 if args.quick else 3)
     groups = plan(args.quick)
     runs = execute(groups, repeats)
     rows = medians(runs)
     machine = machine_info()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
         json.dumps(
             {
                 "machine": machine,
@@ -485,9 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     report = markdown(rows, machine, args.quick)
-    (args.out / "results.md").write_text(report)
-    chart(rows, args.out / "results.png")
+    (out / "results.md").write_text(report)
+    chart(rows, out / "results.png", machine, quick=args.quick)
     print(report)
+    print(f"results written to {out}", file=sys.stderr)
     return 0
 
 

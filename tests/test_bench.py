@@ -43,18 +43,37 @@ def test_the_quick_comparison_writes_json_and_markdown(tmp_path: Path) -> None:
     assert "## Utility call round trip" in report
 
 
-def test_trio_enginecore_bench_quick_prints_a_summary_table() -> None:
+def _bench_quick(*args: str) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
-        [sys.executable, "-m", "trio_enginecore", "bench", "--quick", "--json"],
+        [sys.executable, "-m", "trio_enginecore", "bench", "--quick", *args],
         capture_output=True,
         text=True,
         timeout=200,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    header, *lines = result.stdout.splitlines()
-    assert header.split()[:4] == ["workload", "mode", "C", "tokens/s"]
+    return result
+
+
+def _table_rows(text: str) -> list[str]:
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("workload"))
+    assert lines[header].split()[:4] == ["workload", "mode", "C", "tokens/s"]
+    return lines[header + 1 :]
+
+
+def test_trio_enginecore_bench_quick_prints_a_summary_table() -> None:
+    result = _bench_quick()
+    lines = _table_rows(result.stdout)
     generate = [line for line in lines if line.startswith("generate")]
     assert len(generate) == 4  # batch and stream, at C = 1 and 16
     assert any(line.startswith("utility") for line in lines)
-    rows = json.loads(result.stdout[result.stdout.index("[") :])
+
+
+def test_bench_json_prints_only_json_on_stdout_and_the_table_on_stderr() -> None:
+    result = _bench_quick("--mode", "batch", "--json")
+    rows = json.loads(result.stdout)  # the whole of stdout
+    assert [row["concurrency"] for row in rows if row["workload"] == "generate"] == [1, 16]
     assert all(row["output_tokens"] > 0 for row in rows if row["workload"] == "generate")
+    assert any(line.startswith("generate") for line in _table_rows(result.stderr))
+    # stderr is not a terminal here: progress comes as plain lines, never redrawn.
+    assert "\r" not in result.stderr

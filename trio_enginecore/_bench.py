@@ -14,20 +14,22 @@ import resource
 import secrets
 import socket
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Final, Literal, TextIO
 
 import trio
 
 from .client import TrioClientBase, open_engine_client
 from .client._launch import serve_arguments
 from .config import EngineConfig
-from .protocol import EngineCoreRequest, SamplingParams
+from .protocol import EngineCoreRequest
 
 __all__ = [
+    "ProgressLine",
     "abort_summary",
     "format_table",
     "generate_summary",
@@ -57,10 +59,73 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_request(request_id: str, tokens: int, prompt_len: int = 8) -> EngineCoreRequest:
-    """A counter-model request producing exactly ``tokens`` tokens."""
+    """A counter-model request producing exactly ``tokens`` tokens.
+
+    Its prompt is derived from ``request_id``, so that requests differ; every client of
+    the benchmark builds its requests here, so that they send the same bytes.
+    """
     prompt = [(hash(request_id) % 1000) + i for i in range(prompt_len)]
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, None)
+    # A fixed arrival time: no clock read per request in the figures.
+    return EngineCoreRequest.for_tokens(
+        prompt, request_id=request_id, arrival_time=0.0, max_tokens=tokens, ignore_eos=True
+    )
+
+
+PROGRESS_INTERVAL_S: Final = 5.0
+"""Off a terminal, the least time between two progress lines."""
+
+
+class ProgressLine:
+    """Progress on a stream (stderr by default).
+
+    On a terminal, :meth:`update` redraws one line in place (``\\r``) and :meth:`done`
+    ends it. Elsewhere (a pipe, a CI log) every call prints a plain line instead, but
+    only if ``interval_s`` has passed since the last one, so that a log is not flooded.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, interval_s: float = PROGRESS_INTERVAL_S):
+        self._stream = stream if stream is not None else sys.stderr
+        self.tty = self._stream.isatty()
+        self._interval_s = interval_s
+        self._last = -math.inf
+        self._drawn = 0
+
+    def note(self, text: str) -> None:
+        """A line of its own (a heading): always on a terminal, else rate-limited."""
+        if self.tty:
+            self._clear()
+            print(text, file=self._stream, flush=True)
+        else:
+            self._plain(text)
+
+    def update(self, text: str) -> None:
+        """The current state: redrawn in place on a terminal, else rate-limited."""
+        if self.tty:
+            padding = " " * max(0, self._drawn - len(text))
+            print(f"\r{text}{padding}", end="", file=self._stream, flush=True)
+            self._drawn = len(text)
+        else:
+            self._plain(text)
+
+    def done(self, text: str) -> None:
+        """The final state: ends the redrawn line on a terminal, else rate-limited."""
+        if self.tty:
+            self.update(text)
+            print(file=self._stream, flush=True)
+            self._drawn = 0
+        else:
+            self._plain(text)
+
+    def _clear(self) -> None:
+        if self._drawn:
+            print("\r" + " " * self._drawn + "\r", end="", file=self._stream, flush=True)
+            self._drawn = 0
+
+    def _plain(self, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last >= self._interval_s:
+            self._last = now
+            print(text.strip(), file=self._stream, flush=True)
 
 
 async def measure_generate(
@@ -70,7 +135,7 @@ async def measure_generate(
     tokens: int,
     duration_s: float,
     mode: Mode,
-    progress: bool = False,
+    progress: ProgressLine | None = None,
 ) -> dict[str, Any]:
     """Closed loop: keep ``concurrency`` requests of ``tokens`` tokens in flight.
 
@@ -115,8 +180,10 @@ async def measure_generate(
             async with trio.open_nursery() as nursery:
                 for _ in range(concurrency):
                     nursery.start_soon(worker)
-                if progress:
-                    nursery.start_soon(_progress, lambda: tokens_seen, deadline, duration_s)
+                if progress is not None:
+                    nursery.start_soon(
+                        _show_progress, progress, lambda: tokens_seen, deadline, duration_s
+                    )
     else:
         started_at: dict[str, float] = {}
         with trio.move_on_at(deadline):
@@ -125,8 +192,10 @@ async def measure_generate(
                 started_at[request.request_id] = trio.current_time()
                 await client.add_request(request)
             async with trio.open_nursery() as nursery:
-                if progress:
-                    nursery.start_soon(_progress, lambda: tokens_seen, deadline, duration_s)
+                if progress is not None:
+                    nursery.start_soon(
+                        _show_progress, progress, lambda: tokens_seen, deadline, duration_s
+                    )
                 while True:
                     batch = await client.get_output()
                     replacements: list[EngineCoreRequest] = []
@@ -266,18 +335,20 @@ async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[
     }
 
 
-async def _progress(tokens: Any, deadline: float, duration_s: float) -> None:
+async def _show_progress(
+    progress: ProgressLine, tokens: Callable[[], int], deadline: float, duration_s: float
+) -> None:
     width = 30
     try:
         while True:
             left = max(0.0, deadline - trio.current_time())
             done = int(width * (1 - left / duration_s)) if duration_s else width
             bar = "#" * done + "." * (width - done)
-            print(f"\r  [{bar}] {tokens():>10,} tokens", end="", file=sys.stderr, flush=True)
+            progress.update(f"  [{bar}] {tokens():>10,} tokens")
             await trio.sleep(0.25)
     finally:
         # The workload's deadline cancels this task: finish the line either way.
-        print(f"\r  [{'#' * width}] {tokens():>10,} tokens", file=sys.stderr, flush=True)
+        progress.done(f"  [{'#' * width}] {tokens():>10,} tokens")
 
 
 # ------------------------------------------------------------ trio-enginecore bench
@@ -306,17 +377,19 @@ async def run_cli_bench(
         model=model, step_time_s=step_time_s, max_num_seqs=max(concurrency), max_model_len=8192
     )
     rows: list[dict[str, Any]] = []
+    progress = ProgressLine()
     async with _engine_client(config, transport) as client:
+        progress.note(f"engine ready (model {model!r}, {transport}); measuring")
         for c in concurrency:
             for mode in modes:
-                print(f"{mode:>6} C={c:<5} T={tokens}", file=sys.stderr)
+                progress.note(f"{mode:>6} C={c:<5} T={tokens}")
                 figures = await measure_generate(
                     client,
                     concurrency=c,
                     tokens=tokens,
                     duration_s=duration_s,
                     mode=mode,
-                    progress=True,
+                    progress=progress,
                 )
                 rows.append({"workload": "generate", "mode": mode, "concurrency": c, **figures})
         if utility_calls:
@@ -352,7 +425,11 @@ async def _tcp_engine_client(config: EngineConfig) -> AsyncGenerator[TrioClientB
         "WARNING",
         *serve_arguments(config),
     ]
-    process = await trio.lowlevel.open_process(command)
+    # Its own session, as the engines the client launches: Ctrl-C reaches this process
+    # only, which stops the engine itself when it leaves the block.
+    process = await trio.lowlevel.open_process(
+        command, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         async with open_engine_client(
             config, input_address=input_address, output_address=output_address

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Literal, cast
 
 from . import __version__
 from .config import MODELS, EngineConfig
@@ -25,8 +25,50 @@ Two ways to start:
 SIGTERM or SIGINT drains: new requests are refused, in-flight ones may finish for
 --drain-timeout-s seconds, the rest are aborted, and the process exits 0. A second
 signal stops at once. Exit codes: 0 drained, 1 fatal engine error (after sending
-ENGINE_CORE_DEAD to the clients), 2 bad command line, 3 startup failed.
+ENGINE_CORE_DEAD to the clients), 2 bad command line or an address ZeroMQ cannot use
+(malformed, unknown transport; one line on stderr), 3 startup failed (no handshake
+reply, the coordinator never ready, ...).
 """
+
+_COORDINATOR_DESCRIPTION = """\
+Run the data-parallel coordinator of a group of engines and their clients, until
+SIGTERM or SIGINT. Clients launch one themselves; run it as a program to share one
+between clients on several hosts. Exit codes: 0 stopped by a signal, 2 bad command
+line or an address that cannot be bound (in use, malformed, an interface this host
+does not have; one line on stderr).
+"""
+
+_KEYGEN_DESCRIPTION = """\
+Write NAME.key (the public key, to give to the other side) and NAME.key_secret (both
+halves, mode 0600, to keep) in DIRECTORY. An existing pair is never overwritten
+without --force. Exit codes: 0 written, 1 a file of the pair already exists (nothing
+written) or cannot be written, 2 bad command line (an empty NAME, a NAME that is a path).
+"""
+
+EXIT_INTERRUPTED = 130
+"""The exit code after Ctrl-C (128 + SIGINT), as shells report it."""
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _key_pair_name(text: str) -> str:
+    """An argparse type: the name stem of a key pair (the check write_key_pair makes)."""
+    from ._curve import check_key_pair_name
+
+    try:
+        check_key_pair_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _add_log_level(parser: argparse.ArgumentParser) -> None:
@@ -177,13 +219,15 @@ def _bench_parser(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--concurrency",
-        type=int,
+        type=_positive_int,
         nargs="+",
         default=[1, 64, 512],
         metavar="C",
         help="requests in flight at once; several values run in turn (default: 1 64 512)",
     )
-    bench.add_argument("--tokens", type=int, default=64, help="tokens per request (default: 64)")
+    bench.add_argument(
+        "--tokens", type=_positive_int, default=64, help="tokens per request (default: 64)"
+    )
     bench.add_argument(
         "--step-time-s", type=float, default=0.0, help="simulated engine step time (default: 0)"
     )
@@ -206,7 +250,15 @@ def _bench_parser(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--quick", action="store_true", help="tiny sizes and 0.5 s per workload (a smoke test)"
     )
-    bench.add_argument("--json", action="store_true", help="print the results as JSON too")
+    bench.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as JSON on stdout, and nothing else (the table goes to stderr)",
+    )
+    bench.epilog = (
+        "Progress goes to stderr: one line redrawn in place on a terminal, otherwise a "
+        "plain line every few seconds at most. Ctrl-C stops the engine and exits 130."
+    )
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -231,11 +283,14 @@ def _run_bench(args: argparse.Namespace) -> int:
             model=args.model,
             transport=args.transport,
             utility_calls=args.utility_calls,
-        )
+        ),
+        restrict_keyboard_interrupt_to_checkpoints=True,
     )
-    print(format_table(rows))
     if args.json:
+        print(format_table(rows), file=sys.stderr)
         print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows))
     return 0
 
 
@@ -246,7 +301,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("demo", help="stream generations from the built-in engine")
+    commands.add_parser(
+        "demo",
+        help="stream generations from the built-in engine",
+        description="Launch the built-in engine, stream generations, cancel one, call "
+        "utilities and shut down. Ctrl-C stops the engine and exits 130.",
+    )
     _serve_parser(
         commands.add_parser(
             "serve",
@@ -259,17 +319,27 @@ def _parser() -> argparse.ArgumentParser:
     keygen = commands.add_parser(
         "keygen",
         help="write a CURVE key pair for authenticated TCP",
-        description="Write NAME.key (the public key, to give to the other side) and "
-        "NAME.key_secret (both halves, mode 0600, to keep) in DIRECTORY.",
+        description=_KEYGEN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    keygen.add_argument("name", help="file name stem, e.g. 'client' or 'engine-3'")
+    keygen.add_argument(
+        "name", type=_key_pair_name, help="file name stem, e.g. 'client' or 'engine-3'"
+    )
     keygen.add_argument(
         "--directory", default=".", help="where to write them (default: the current directory)"
     )
-    coordinator = commands.add_parser(
-        "coordinator", help="run the data-parallel coordinator (clients launch it themselves)"
+    keygen.add_argument(
+        "--force", action="store_true", help="replace an existing NAME.key / NAME.key_secret"
     )
-    coordinator.add_argument("--engines", type=int, required=True, help="number of engines")
+    coordinator = commands.add_parser(
+        "coordinator",
+        help="run the data-parallel coordinator (clients launch it themselves)",
+        description=_COORDINATOR_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    coordinator.add_argument(
+        "--engines", type=_positive_int, required=True, help="number of engines (at least 1)"
+    )
     coordinator.add_argument(
         "--stats-address", required=True, help="address to bind for the engines' counts (PULL)"
     )
@@ -362,20 +432,73 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     )
 
 
+def _run_keygen(args: argparse.Namespace) -> int:
+    from ._curve import write_key_pair
+
+    try:
+        public, secret = write_key_pair(args.directory, args.name, overwrite=args.force)
+    except FileExistsError as exc:
+        print(
+            f"trio-enginecore keygen: {exc.filename} already exists; pass --force to replace "
+            "the key pair (nothing was written)",
+            file=sys.stderr,
+        )
+        return 1
+    except OSError as exc:
+        print(f"trio-enginecore keygen: cannot write the key pair: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether ``error`` is Ctrl-C: a KeyboardInterrupt, or a group holding one (Trio
+    delivers it through the nurseries it crosses, beside the cancellations it caused)."""
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    if isinstance(error, BaseExceptionGroup):
+        group = cast("BaseExceptionGroup[BaseException]", error)
+        return group.subgroup(KeyboardInterrupt) is not None
+    return False
+
+
+def _unless_interrupted(command: str, run: Callable[[], int]) -> int:
+    """``run()``, or one line and exit code 130 after Ctrl-C (and no traceback)."""
+    try:
+        return run()
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:
+        if not _interrupted(exc):
+            raise
+        print(f"trio-enginecore {command}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _run_demo() -> int:
+    import trio
+
+    from ._demo import run_demo
+
+    # Ctrl-C is raised at a checkpoint only, never in the middle of the client's own
+    # bookkeeping: leaving the client's block then stops the engine as usual.
+    trio.run(run_demo, restrict_keyboard_interrupt_to_checkpoints=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trio-enginecore`` console script."""
     parser = _parser()
     args = parser.parse_args(argv)
+    command: str = args.command
+    return _unless_interrupted(command, lambda: _run_command(parser, args))
+
+
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _run_serve(parser, args)
     if args.command == "bench":
         return _run_bench(args)
     if args.command == "keygen":
-        from ._curve import write_key_pair
-
-        public, secret = write_key_pair(args.directory, args.name)
-        print(f"public key: {public}\nsecret key: {secret} (keep it private)")
-        return 0
+        return _run_keygen(args)
     if args.command == "coordinator":
         from ._curve import CurveServer
         from .engine._coordinator import CoordinatorAddresses
@@ -405,12 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_interval_s=args.min_interval_s,
             exit_with_parent=args.exit_with_parent,
         )
-    import trio
-
-    from ._demo import run_demo
-
-    trio.run(run_demo)  # "demo", the only command left
-    return 0
+    return _run_demo()  # "demo", the only command left
 
 
 if __name__ == "__main__":  # pragma: no cover

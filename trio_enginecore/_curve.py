@@ -13,6 +13,7 @@ writes them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -32,6 +33,7 @@ __all__ = [
     "CurveKeyPair",
     "CurveRefusal",
     "CurveServer",
+    "check_key_pair_name",
     "load_public_key",
     "run_zap_handler",
     "write_key_pair",
@@ -109,15 +111,67 @@ def load_public_key(source: str | bytes | os.PathLike[str]) -> bytes:
     return _check_key(public, f"the public key in {os.fspath(source)}")
 
 
-def write_key_pair(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+def check_key_pair_name(name: str) -> None:
+    """Refuse a key pair name that is not a plain file name stem.
+
+    Raises:
+        ValueError: ``name`` is empty, ``.`` or ``..``, or holds a path separator.
+    """
+    if not name:
+        raise ValueError("a key pair's name must not be empty")
+    separators = [sep for sep in (os.sep, os.altsep, "/") if sep]
+    if name in (".", "..") or any(sep in name for sep in separators) or "\0" in name:
+        raise ValueError(
+            f"a key pair's name is a file name stem, not a path: got {name!r} (give the "
+            "folder as the directory)"
+        )
+
+
+def write_key_pair(
+    directory: str | os.PathLike[str], name: str, *, overwrite: bool = False
+) -> tuple[Path, Path]:
     """Write ``NAME.key`` (public) and ``NAME.key_secret`` (mode 0600) in ``directory``.
 
+    ``directory`` is created if needed. The secret file is mode 0600 before any key is
+    written in it.
+
     Returns the two paths.
+
+    Raises:
+        ValueError: ``name`` is empty, ``.`` or ``..``, or holds a path separator.
+        FileExistsError: ``NAME.key`` or ``NAME.key_secret`` is already there and
+            ``overwrite`` is false (nothing was written); its ``filename`` is that file.
+        OSError: the directory or the files cannot be written.
     """
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)  # pyright: ignore[reportUnknownMemberType]
-    os.chmod(secret, 0o600)
-    return Path(public), Path(secret)
+    check_key_pair_name(name)
+    folder = Path(directory)
+    public = folder / f"{name}.key"
+    secret = folder / f"{name}.key_secret"
+    folder.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_EXCL)
+    created: list[Path] = []
+    try:
+        # Create both files first, the secret one 0600: O_EXCL refuses an existing one
+        # even if it appeared just now, and the secret is never readable by others.
+        for path, mode in ((secret, 0o600), (public, 0o644)):
+            try:
+                os.close(os.open(path, flags, mode))
+            except FileExistsError as exc:
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"{path} already exists: not overwriting a key pair (pass "
+                    "overwrite=True to replace it)",
+                    str(path),
+                ) from exc
+            created.append(path)
+        os.chmod(secret, 0o600)
+        zmq.auth.create_certificates(folder, name)  # pyright: ignore[reportUnknownMemberType]
+    except BaseException:
+        if not overwrite:
+            for path in created:
+                path.unlink(missing_ok=True)
+        raise
+    return public, secret
 
 
 @attrs.frozen

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
 
 import trio
@@ -11,18 +10,13 @@ import trio
 from .client import TrioMPClient, open_engine_client
 from .config import EngineConfig
 from .engine import NgramModel
-from .protocol import EngineCoreRequest, SamplingParams
+from .protocol import EngineCoreRequest
 
 PROMPTS = [
     ("The scheduler", 1),
     ("A good test", 2),
     ("The river", 3),
 ]
-
-
-def _request(request_id: str, prompt: list[int], **sampling: object) -> EngineCoreRequest:
-    params = SamplingParams(**sampling)  # type: ignore[arg-type]
-    return EngineCoreRequest(request_id, prompt, None, params, None, time.time(), None, None, None)
 
 
 async def _generate(
@@ -34,8 +28,8 @@ async def _generate(
     counts: dict[str, int],
 ) -> str:
     tokens: list[int] = []
-    request = _request(
-        request_id, model.tokenize(prompt), max_tokens=160, seed=seed, temperature=0.7
+    request = EngineCoreRequest.for_tokens(
+        model.tokenize(prompt), request_id=request_id, max_tokens=160, seed=seed, temperature=0.7
     )
     async with client.stream(request) as outputs:
         async for output in outputs:
@@ -85,7 +79,9 @@ async def run_demo(out: TextIO = sys.stdout, *, step_time_s: float = 0.01) -> No
         say("\n2. Cancelling a long generation after 0.3 s (move_on_after):")
         received = 0
         with trio.move_on_after(0.3):
-            long = _request("long", model.tokenize("Structured"), max_tokens=4000, seed=9)
+            long = EngineCoreRequest.for_tokens(
+                model.tokenize("Structured"), request_id="long", max_tokens=4000, seed=9
+            )
             async with client.stream(long) as outputs:
                 async for output in outputs:
                     received += len(output.new_token_ids)

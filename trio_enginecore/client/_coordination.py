@@ -51,7 +51,8 @@ async def open_coordinator(
 
     Raises:
         ValueError: ``engines`` < 1.
-        zmq.ZMQError: an address could not be bound (in use, invalid).
+        AddressError: an address could not be bound (in use, malformed, an interface
+            this host does not have); it names the address.
     """
     if engines < 1:
         raise ValueError(f"a coordinator needs at least one engine, got {engines}")

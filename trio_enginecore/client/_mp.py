@@ -31,6 +31,7 @@ import msgspec
 import trio
 import zmq
 
+from .._addresses import bind_address, connect_address
 from .._curve import CurveRefusal, CurveServer, load_public_key, run_zap_handler, write_key_pair
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
@@ -311,8 +312,8 @@ class TrioMPClient(TrioClientBase):
         assert output_address is not None
         self._input = self._server_socket(zmq.ROUTER)
         self._output = self._server_socket(zmq.PULL)
-        bound_input = self._input.bind(input_address)
-        bound_output = self._output.bind(output_address)
+        bound_input = bind_address(self._input, input_address, role="client input, ROUTER")
+        bound_output = bind_address(self._output, output_address, role="client output, PULL")
         handshake: TrioSocket | None = None
         timeout = trio.CancelScope()
         try:
@@ -322,10 +323,12 @@ class TrioMPClient(TrioClientBase):
                     await self._join_coordinator(nursery, launch=not attach)
                     if not attach:
                         handshake = self._server_socket(zmq.ROUTER)
-                        handshake_address = handshake.bind(
+                        handshake_address = bind_address(
+                            handshake,
                             remote.handshake_address
                             if remote is not None
-                            else f"ipc://{self._ipc_dir}/handshake"
+                            else f"ipc://{self._ipc_dir}/handshake",
+                            role="client handshake, ROUTER",
                         )
                         await self._launch_engines(
                             nursery, local, handshake_address, local_arguments
@@ -731,7 +734,7 @@ class DPTrioMPClient(TrioMPClient):
                 # A shared coordinator holds the frontends' key pair: we prove we are a
                 # frontend with the same key, and check it is theirs.
                 curve.as_client_of_itself().apply(sock)
-            sock.connect(addresses.publish)
+            connect_address(sock, addresses.publish, role="coordinator publish address")
             await sock.send_multipart([b"\x01"])
         except BaseException:
             sock.close()

@@ -30,6 +30,7 @@ import msgspec
 import trio
 import zmq
 
+from .._addresses import bind_address
 from .._curve import CurveServer
 from .._zmq import TrioSocket, make_socket
 from ..errors import ProtocolError
@@ -188,6 +189,10 @@ async def run_coordinator(
     Binds ``addresses``, then reports started with the addresses actually bound (a
     ``tcp://HOST:*`` address comes back with its port). With ``curve``, every TCP socket
     is a CURVE server (a ZAP handler must be running in ``ctx``).
+
+    Raises:
+        AddressError: an address could not be bound (in use, malformed, an interface
+            this host does not have), before started is reported.
     """
     state = CoordinatorState(engines)
     stats = make_socket(ctx, zmq.PULL)
@@ -272,9 +277,11 @@ async def run_coordinator(
                 if address.startswith("tcp://"):
                     curve.apply(sock)
         bound = CoordinatorAddresses(
-            stats=stats.bind(addresses.stats),
-            engine_publish=engine_publish.bind(addresses.engine_publish),
-            publish=publish.bind(addresses.publish),
+            stats=bind_address(stats, addresses.stats, role="coordinator stats"),
+            engine_publish=bind_address(
+                engine_publish, addresses.engine_publish, role="coordinator engine publish"
+            ),
+            publish=bind_address(publish, addresses.publish, role="coordinator publish"),
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine_messages)

@@ -26,6 +26,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from .._addresses import connect_address
 from .._curve import CurveClient
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
@@ -70,14 +71,19 @@ def connect_socket(
     curve: CurveClient | None = None,
     identity: bytes | None = None,
     linger_ms: int = 0,
+    role: str = "",
 ) -> TrioSocket:
     """A socket connected to ``address``; a CURVE client when ``curve`` is given and
-    the address is TCP (ipc:// stays in a private directory instead)."""
+    the address is TCP (ipc:// stays in a private directory instead).
+
+    Raises:
+        AddressError: ZeroMQ refused the address (``role`` names the socket).
+    """
     sock = make_socket(ctx, socket_type, identity=identity, linger_ms=linger_ms)
     try:
         if curve is not None and address.startswith("tcp://"):
             curve.apply(sock)
-        sock.connect(address)
+        connect_address(sock, address, role=role)
     except BaseException:
         sock.close()
         raise
@@ -113,6 +119,7 @@ async def engine_handshake(
         curve=curve,
         identity=identity_for_rank(config.data_parallel_rank),
         linger_ms=HANDSHAKE_LINGER_MS,
+        role="handshake",
     )
     secured = curve is not None and handshake_address.startswith("tcp://")
     try:
@@ -235,15 +242,21 @@ class EngineCoreProc:
         inputs: list[TrioSocket] = []
         try:
             if addresses.coordinator_output is not None:
-                self._coordinator = self._connect(zmq.PUSH, addresses.coordinator_output)
+                self._coordinator = self._connect(
+                    zmq.PUSH, addresses.coordinator_output, role="coordinator stats"
+                )
             if addresses.coordinator_input is not None:
                 # START_DP_WAVE broadcasts arrive like requests: an input socket.
                 inputs.append(await self._join_coordinator(addresses.coordinator_input))
             for address in addresses.outputs:
-                self._outputs.append(self._connect(zmq.PUSH, address, linger_ms=OUTPUT_LINGER_MS))
+                self._outputs.append(
+                    self._connect(zmq.PUSH, address, linger_ms=OUTPUT_LINGER_MS, role="output")
+                )
             ready = self._encoder.encode(self.core.ready_response())
             for address in addresses.inputs:
-                sock = self._connect(zmq.DEALER, address, identity=identity_for_rank(rank))
+                sock = self._connect(
+                    zmq.DEALER, address, identity=identity_for_rank(rank), role="input"
+                )
                 inputs.append(sock)
                 # The ready message is what lets the client's ROUTER route to us.
                 await sock.send_multipart(ready)
@@ -303,7 +316,13 @@ class EngineCoreProc:
         self._work.set()
 
     def _connect(
-        self, socket_type: int, address: str, *, identity: bytes | None = None, linger_ms: int = 0
+        self,
+        socket_type: int,
+        address: str,
+        *,
+        identity: bytes | None = None,
+        linger_ms: int = 0,
+        role: str = "",
     ) -> TrioSocket:
         return connect_socket(
             self._ctx,
@@ -312,6 +331,7 @@ class EngineCoreProc:
             curve=self._curve,
             identity=identity,
             linger_ms=linger_ms,
+            role=role,
         )
 
     # ---------------------------------------------------------------- input side
@@ -322,7 +342,7 @@ class EngineCoreProc:
         Returns once the coordinator said READY (it does when every engine of the group
         has subscribed), so that no broadcast can be missed.
         """
-        sock = self._connect(zmq.XSUB, address)
+        sock = self._connect(zmq.XSUB, address, role="coordinator waves")
         try:
             await sock.send_multipart([b"\x01"])
             while True:

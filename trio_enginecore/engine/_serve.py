@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from typing import Any, cast
 
 import trio
@@ -16,7 +17,7 @@ import zmq
 
 from .._curve import CurveClient, CurveServer
 from ..config import EngineConfig
-from ..errors import EngineStartupError
+from ..errors import AddressError, EngineStartupError
 from ._coordinator import CoordinatorAddresses
 from ._core import FatalEngineError
 from ._proc import EngineCoreProc, addresses_for, engine_handshake
@@ -27,6 +28,8 @@ logger = logging.getLogger("trio_enginecore.engine")
 
 EXIT_OK = 0
 EXIT_FATAL = 1
+EXIT_ADDRESS = 2
+"""An address given on the command line could not be bound or connected to."""
 EXIT_STARTUP = 3
 
 
@@ -119,7 +122,11 @@ def serve(
     exit_with_parent: bool = False,
     curve: CurveClient | None = None,
 ) -> int:
-    """Run an engine until it is drained; return the process exit code."""
+    """Run an engine until it is drained; return the process exit code.
+
+    An address ZeroMQ refuses (malformed, unknown transport, an interface this host
+    does not have) is reported in one line on stderr, with exit code 2.
+    """
     ctx: zmq.Context[Any] = zmq.Context()
     exit_code = EXIT_OK
     try:
@@ -139,6 +146,9 @@ def serve(
     except* FatalEngineError as group:
         logger.critical("engine died: %s", _first_leaf(group))
         exit_code = EXIT_FATAL
+    except* AddressError as group:
+        _report_address_error("serve", _first_leaf(group))
+        exit_code = EXIT_ADDRESS
     except* EngineStartupError as group:
         logger.critical("engine startup failed: %s", _first_leaf(group))
         exit_code = EXIT_STARTUP
@@ -161,7 +171,11 @@ def serve_coordinator(
     exit_with_parent: bool,
     curve: CurveServer | None = None,
 ) -> int:
-    """Run the data-parallel coordinator until SIGTERM/SIGINT; return the exit code."""
+    """Run the data-parallel coordinator until SIGTERM/SIGINT; return the exit code.
+
+    0 once stopped; 2, after one line on stderr, when an address cannot be bound (in
+    use, malformed, an interface this host does not have).
+    """
     from ..client._coordination import open_coordinator
 
     async def main() -> None:
@@ -182,9 +196,19 @@ def serve_coordinator(
                     async for _ in signals:
                         nursery.cancel_scope.cancel()
 
+    exit_code = EXIT_OK
     try:
         trio.run(main)
-    except zmq.ZMQError as exc:
-        logger.critical("coordinator startup failed: %s", exc)
-        return EXIT_STARTUP
-    return EXIT_OK
+    except* AddressError as group:
+        _report_address_error("coordinator", _first_leaf(group))
+        exit_code = EXIT_ADDRESS
+    except* zmq.ZMQError as group:
+        logger.critical("coordinator startup failed: %s", _first_leaf(group))
+        exit_code = EXIT_STARTUP
+    return exit_code
+
+
+def _report_address_error(command: str, error: BaseException) -> None:
+    """The one line a command prints for an address it cannot use."""
+    sys.stderr.write(f"trio-enginecore {command}: {error}\n")
+    sys.stderr.flush()

@@ -32,7 +32,6 @@ from trio_enginecore.protocol import (
     EngineZmqAddresses,
     HandshakeMessage,
     HandshakeReady,
-    SamplingParams,
     UtilityOutput,
     UtilityRequest,
 )
@@ -49,18 +48,10 @@ def make_request(
     **sampling: Any,
 ) -> EngineCoreRequest:
     sampling.setdefault("max_tokens", 8)
-    return EngineCoreRequest(
-        request_id,
-        list(prompt),
-        None,
-        SamplingParams(**sampling),
-        None,
-        0.0,
-        None,
-        None,
-        None,
-        client_index=client_index,
-    )
+    request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, **sampling)
+    # This peer plays the client: stamping the index is the client's job.
+    request.client_index = client_index
+    return request
 
 
 class EngineDied(Exception):

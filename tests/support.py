@@ -5,18 +5,8 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
 
 from trio_enginecore.engine import CounterModel
-from trio_enginecore.protocol import EngineCoreRequest, SamplingParams
-
-
-def request(
-    request_id: str, prompt: list[int], max_tokens: int = 16, **sampling: Any
-) -> EngineCoreRequest:
-    """A generation request with only the fields a test cares about."""
-    params = SamplingParams(max_tokens=max_tokens, **sampling)
-    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, None)
 
 
 def expected(prompt: list[int], n: int) -> list[int]:

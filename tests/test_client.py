@@ -37,7 +37,7 @@ from trio_enginecore import (
 from trio_enginecore.protocol import LoRARequest
 
 from .enginepeer import serve_command
-from .support import children_of_this_process, expected, open_fds, process_is_running, request
+from .support import children_of_this_process, expected, open_fds, process_is_running
 
 
 async def stream_tokens(client: TrioMPClient, req: EngineCoreRequest) -> list[int]:
@@ -108,7 +108,10 @@ async def test_500_concurrent_streams_receive_exact_gap_free_sequences(mode: str
                 for rid, prompt in prompts.items():
 
                     async def run(rid: str = rid, prompt: list[int] = prompt) -> None:
-                        results[rid] = await stream_tokens(client, request(rid, prompt, 24))
+                        results[rid] = await stream_tokens(
+                            client,
+                            EngineCoreRequest.for_tokens(prompt, request_id=rid, max_tokens=24),
+                        )
 
                     nursery.start_soon(run)
             assert_idle(client)
@@ -124,7 +127,9 @@ async def test_batch_api_delivers_the_same_tokens(mode: str) -> None:
     with trio.fail_after(60):
         async with client_in(mode) as client:  # type: ignore[attr-defined]
             for rid, prompt in prompts.items():
-                await client.add_request(request(rid, prompt, 20))
+                await client.add_request(
+                    EngineCoreRequest.for_tokens(prompt, request_id=rid, max_tokens=20)
+                )
             while len(finished) < len(prompts):
                 outputs = await client.get_output()
                 for output in outputs.outputs:
@@ -140,8 +145,12 @@ async def test_batch_api_delivers_the_same_tokens(mode: str) -> None:
 async def test_streamed_requests_are_not_delivered_through_get_output() -> None:
     with trio.fail_after(30):
         async with launched_client() as client:
-            await client.add_request(request("batch", [1], 5))
-            assert await stream_tokens(client, request("streamed", [100], 5)) == expected([100], 5)
+            await client.add_request(
+                EngineCoreRequest.for_tokens([1], request_id="batch", max_tokens=5)
+            )
+            assert await stream_tokens(
+                client, EngineCoreRequest.for_tokens([100], request_id="streamed", max_tokens=5)
+            ) == expected([100], 5)
             seen: list[str] = []
             while "batch" not in seen or len([r for r in seen if r == "batch"]) < 5:
                 outputs = await client.get_output()
@@ -161,11 +170,15 @@ async def test_cancelling_half_the_streams_aborts_exactly_those_on_the_engine() 
             async def run(rid: str) -> None:
                 prompt = [int(rid[1:]) * 10]
                 if rid not in cancelled:
-                    results[rid] = await stream_tokens(client, request(rid, prompt, 40))
+                    results[rid] = await stream_tokens(
+                        client, EngineCoreRequest.for_tokens(prompt, request_id=rid, max_tokens=40)
+                    )
                     return
                 received = 0
                 with trio.CancelScope() as scope:
-                    async with client.stream(request(rid, prompt, 100_000)) as outputs:
+                    async with client.stream(
+                        EngineCoreRequest.for_tokens(prompt, request_id=rid, max_tokens=100_000)
+                    ) as outputs:
                         async for output in outputs:
                             received += len(output.new_token_ids)
                             if received >= rng.randint(1, 30):
@@ -191,13 +204,17 @@ async def test_a_slow_reader_delays_no_other_stream_and_gets_every_token_merged(
             fast_done = trio.Event()
 
             async def slow() -> None:
-                async with client.stream(request("slow", [7], 200)) as outputs:
+                async with client.stream(
+                    EngineCoreRequest.for_tokens([7], request_id="slow", max_tokens=200)
+                ) as outputs:
                     async for output in outputs:
                         slow_chunks.append(output.new_token_ids)
                         await fast_done.wait()  # the slow reader does not read meanwhile
 
             async def fast() -> None:
-                tokens = await stream_tokens(client, request("fast", [1000], 100))
+                tokens = await stream_tokens(
+                    client, EngineCoreRequest.for_tokens([1000], request_id="fast", max_tokens=100)
+                )
                 assert tokens == expected([1000], 100)
                 fast_done.set()
 
@@ -213,13 +230,17 @@ async def test_a_slow_reader_delays_no_other_stream_and_gets_every_token_merged(
 async def test_leaving_a_stream_early_aborts_it_once() -> None:
     with trio.fail_after(30):
         async with launched_client(step_time_s=0.002) as client:
-            async with client.stream(request("early", [1], 100_000)) as outputs:
+            async with client.stream(
+                EngineCoreRequest.for_tokens([1], request_id="early", max_tokens=100_000)
+            ) as outputs:
                 async for _ in outputs:
                     break
             assert await client.get_request_counts() == (0, 0)
             assert_idle(client)
             with pytest.raises(KeyError):
-                async with client.stream(request("raiser", [1], 100_000)) as outputs:
+                async with client.stream(
+                    EngineCoreRequest.for_tokens([1], request_id="raiser", max_tokens=100_000)
+                ) as outputs:
                     await outputs.receive()
                     raise KeyError("user error")
             assert await client.get_request_counts() == (0, 0)
@@ -228,7 +249,9 @@ async def test_leaving_a_stream_early_aborts_it_once() -> None:
 async def test_abort_requests_ends_a_stream_with_abort() -> None:
     with trio.fail_after(30):
         async with launched_client(step_time_s=0.002) as client:
-            async with client.stream(request("a", [1], 100_000)) as outputs:
+            async with client.stream(
+                EngineCoreRequest.for_tokens([1], request_id="a", max_tokens=100_000)
+            ) as outputs:
                 await outputs.receive()
                 await client.abort_requests(["a", "unknown-id"])
                 last = None
@@ -245,7 +268,10 @@ async def test_add_requests_sends_a_batch_with_one_checkpoint() -> None:
     with trio.fail_after(30):
         async with launched_client() as client:
             with trio.testing.assert_checkpoints():
-                await client.add_requests(request(rid, p, 5) for rid, p in prompts.items())
+                await client.add_requests(
+                    EngineCoreRequest.for_tokens(p, request_id=rid, max_tokens=5)
+                    for rid, p in prompts.items()
+                )
             tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
             while client.statistics().requests_in_flight:
                 for output in (await client.get_output()).outputs:
@@ -258,14 +284,28 @@ async def test_add_requests_sends_a_batch_with_one_checkpoint() -> None:
 async def test_add_requests_is_all_or_nothing() -> None:
     with trio.fail_after(30):
         async with launched_client(step_time_s=0.01) as client:
-            await client.add_requests([request("a", [1], 100_000)])
+            await client.add_requests(
+                [EngineCoreRequest.for_tokens([1], request_id="a", max_tokens=100_000)]
+            )
             with pytest.raises(ValueError, match="'x' appears twice"):
-                await client.add_requests([request("x", [1], 5), request("x", [1], 5)])
+                await client.add_requests(
+                    [
+                        EngineCoreRequest.for_tokens([1], request_id="x", max_tokens=5),
+                        EngineCoreRequest.for_tokens([1], request_id="x", max_tokens=5),
+                    ]
+                )
             with pytest.raises(ValueError, match="in flight"):
-                await client.add_requests([request("y", [1], 5), request("a", [1], 5)])
+                await client.add_requests(
+                    [
+                        EngineCoreRequest.for_tokens([1], request_id="y", max_tokens=5),
+                        EngineCoreRequest.for_tokens([1], request_id="a", max_tokens=5),
+                    ]
+                )
             with trio.CancelScope() as scope:
                 scope.cancel()
-                await client.add_requests([request("z", [1], 5)])
+                await client.add_requests(
+                    [EngineCoreRequest.for_tokens([1], request_id="z", max_tokens=5)]
+                )
             # Only "a" was ever sent: the engine holds exactly one request.
             assert client.statistics().requests_in_flight == 1
             assert sum(await client.get_request_counts()) == 1
@@ -276,9 +316,13 @@ async def test_add_requests_is_all_or_nothing() -> None:
 async def test_duplicate_request_ids_are_refused_while_in_flight() -> None:
     with trio.fail_after(30):
         async with launched_client(step_time_s=0.002) as client:
-            await client.add_request(request("dup", [1], 100_000))
+            await client.add_request(
+                EngineCoreRequest.for_tokens([1], request_id="dup", max_tokens=100_000)
+            )
             with pytest.raises(ValueError, match="already in flight"):
-                await client.add_request(request("dup", [1], 3))
+                await client.add_request(
+                    EngineCoreRequest.for_tokens([1], request_id="dup", max_tokens=3)
+                )
             await client.abort_requests(["dup"])
             assert_idle(client)
 
@@ -333,7 +377,9 @@ async def test_a_cancelled_utility_call_leaves_no_state_and_its_late_reply_is_dr
     with trio.fail_after(30):
         async with launched_client(step_time_s=0.01) as client:
             # pause(wait) replies only when running requests finish: a slow call.
-            await client.add_request(request("r", [1], 50))
+            await client.add_request(
+                EngineCoreRequest.for_tokens([1], request_id="r", max_tokens=50)
+            )
             await client.get_output()  # running now
             with trio.move_on_after(0.05) as scope:
                 await client.pause_scheduler("wait")
@@ -361,7 +407,12 @@ async def test_kill_9_fails_every_waiter_promptly_and_the_block_raises_one_error
 
                 async def waiter(i: int) -> None:
                     try:
-                        await stream_tokens(client, request(f"k{i}", [1], 100_000))
+                        await stream_tokens(
+                            client,
+                            EngineCoreRequest.for_tokens(
+                                [1], request_id=f"k{i}", max_tokens=100_000
+                            ),
+                        )
                     except EngineDeadError as exc:
                         failures.append(exc)
                         raise
@@ -386,7 +437,7 @@ async def test_kill_9_fails_every_waiter_promptly_and_the_block_raises_one_error
                 with pytest.raises(EngineDeadError):
                     await client.get_output()
                 with pytest.raises(EngineDeadError):
-                    await client.add_request(request("after", [1]))
+                    await client.add_request(EngineCoreRequest.for_tokens([1], request_id="after"))
     assert "killed by signal 9" in str(info.value)
     assert children_of_this_process() == []
     assert open_fds() - fds_before == set()
@@ -407,7 +458,9 @@ async def test_engine_core_dead_fails_waiters_with_the_reason() -> None:
     with trio.fail_after(30), pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
         async with (
             launched_client(enable_fault_injection=True, step_time_s=0.002) as client,
-            client.stream(request("victim", [1], 100_000)) as outputs,
+            client.stream(
+                EngineCoreRequest.for_tokens([1], request_id="victim", max_tokens=100_000)
+            ) as outputs,
         ):
             await outputs.receive()
             await client.call_utility("inject_fault")
@@ -421,7 +474,9 @@ async def test_user_exception_propagates_unchanged_and_the_engine_is_stopped() -
         with pytest.raises(RuntimeError) as info:
             async with launched_client() as client:
                 pid = client.engine_pids[0]
-                await client.add_request(request("r", [1], 100_000))
+                await client.add_request(
+                    EngineCoreRequest.for_tokens([1], request_id="r", max_tokens=100_000)
+                )
                 raise error
     assert info.value is error
     assert info.value.__context__ is None
@@ -454,7 +509,9 @@ async def test_a_normal_exit_leaves_no_process_fd_or_directory_behind() -> None:
     fds_before = open_fds()
     with trio.fail_after(30):
         async with launched_client() as client:
-            assert await stream_tokens(client, request("r", [1], 4)) == [2, 3, 4, 5]
+            assert await stream_tokens(
+                client, EngineCoreRequest.for_tokens([1], request_id="r", max_tokens=4)
+            ) == [2, 3, 4, 5]
             ipc_dir = client._ipc_dir  # pyright: ignore[reportPrivateUsage]
             assert ipc_dir is not None
             assert Path(ipc_dir).is_dir()
@@ -469,7 +526,9 @@ async def test_outer_cancellation_propagates_unchanged_and_the_engine_is_stopped
         with trio.CancelScope() as outer:
             async with launched_client(step_time_s=0.002) as client:
                 pid = client.engine_pids[0]
-                async with client.stream(request("r", [1], 100_000)) as outputs:
+                async with client.stream(
+                    EngineCoreRequest.for_tokens([1], request_id="r", max_tokens=100_000)
+                ) as outputs:
                     await outputs.receive()
                     outer.cancel()
                     await trio.sleep_forever()
@@ -576,7 +635,9 @@ async def test_connect_engine_client_runs_in_the_callers_nursery() -> None:
         async with trio.open_nursery() as nursery:
             client = await connect_engine_client(nursery, EngineConfig())
             try:
-                assert await stream_tokens(client, request("n", [3], 3)) == [4, 5, 6]
+                assert await stream_tokens(
+                    client, EngineCoreRequest.for_tokens([3], request_id="n", max_tokens=3)
+                ) == [4, 5, 6]
             finally:
                 await client.aclose()
         # The nursery could exit: every task of the client ended with aclose().
@@ -587,7 +648,9 @@ async def test_statistics_snapshot_is_frozen_and_counts() -> None:
     with trio.fail_after(30):
         async with launched_client() as client:
             before = client.statistics()
-            await stream_tokens(client, request("x", [1], 10))
+            await stream_tokens(
+                client, EngineCoreRequest.for_tokens([1], request_id="x", max_tokens=10)
+            )
             after = client.statistics()
             assert before.tokens_received == 0
             assert after.tokens_received == 10

@@ -29,7 +29,6 @@ from trio_enginecore import (
     EngineDeadError,
     FinishReason,
     InprocClient,
-    SamplingParams,
     SyncMPClient,
     UtilityCallError,
     open_engine_client,
@@ -44,13 +43,6 @@ from .support import children_of_this_process, open_fds
 
 KINDS = ["trio-launched", "trio-attached", "trio-inproc", "sync", "inproc-sync"]
 WITH_PROCESS = ["trio-launched", "sync"]
-
-
-def request(
-    request_id: str, prompt: list[int], max_tokens: int, **sampling: Any
-) -> EngineCoreRequest:
-    params = SamplingParams(max_tokens=max_tokens, **sampling)
-    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, None)
 
 
 class Harness:
@@ -154,7 +146,9 @@ async def test_exact_counter_sequences_for_100_concurrent_requests(kind: str) ->
     with trio.fail_after(60):
         async with open_harness(kind) as harness:
             for rid, prompt in prompts.items():
-                await harness.add(request(rid, prompt, 12))
+                await harness.add(
+                    EngineCoreRequest.for_tokens(prompt, request_id=rid, max_tokens=12)
+                )
             tokens = await collect(harness, prompts)
             assert harness.in_flight() == 0
     for rid, prompt in prompts.items():
@@ -164,8 +158,10 @@ async def test_exact_counter_sequences_for_100_concurrent_requests(kind: str) ->
 async def test_abort_forgets_the_request_on_the_engine(kind: str) -> None:
     with trio.fail_after(30):
         async with open_harness(kind) as harness:
-            await harness.add(request("long", [1], 100_000))
-            await harness.add(request("short", [50], 3))
+            await harness.add(
+                EngineCoreRequest.for_tokens([1], request_id="long", max_tokens=100_000)
+            )
+            await harness.add(EngineCoreRequest.for_tokens([50], request_id="short", max_tokens=3))
             first = await harness.get_output()
             await harness.abort(["long", "never-existed"])
             assert harness.in_flight() <= 1
@@ -223,14 +219,18 @@ async def test_a_fatal_engine_error_raises_engine_dead_error(kind: str) -> None:
     with trio.fail_after(30):
         try:
             async with open_harness(kind, enable_fault_injection=True) as harness:
-                await harness.add(request("victim", [1], 100_000))
+                await harness.add(
+                    EngineCoreRequest.for_tokens([1], request_id="victim", max_tokens=100_000)
+                )
                 await harness.get_output()
                 await harness.call("call_utility", "inject_fault")
                 with pytest.raises(EngineDeadError):
                     while True:
                         await harness.get_output()
                 with pytest.raises(EngineDeadError):
-                    await harness.add(request("after", [1], 3))
+                    await harness.add(
+                        EngineCoreRequest.for_tokens([1], request_id="after", max_tokens=3)
+                    )
         except EngineDeadError:
             # Trio clients report the death again when their block exits (documented);
             # blocking clients' close() does not raise.
@@ -244,7 +244,9 @@ async def test_kill_9_of_the_engine_raises_engine_dead_error(kind: str) -> None:
     with trio.fail_after(30):
         try:
             async with open_harness(kind) as harness:
-                await harness.add(request("victim", [1], 100_000))
+                await harness.add(
+                    EngineCoreRequest.for_tokens([1], request_id="victim", max_tokens=100_000)
+                )
                 await harness.get_output()
                 pid = harness.engine_pid
                 assert pid is not None
@@ -260,7 +262,7 @@ async def test_clean_shutdown_leaves_no_process_or_fd(kind: str) -> None:
     fds_before = open_fds()
     with trio.fail_after(30):
         async with open_harness(kind) as harness:
-            await harness.add(request("r", [1], 100_000))
+            await harness.add(EngineCoreRequest.for_tokens([1], request_id="r", max_tokens=100_000))
             await harness.get_output()
             pid = harness.engine_pid
         # Leaving with a request in flight: it is aborted, the engine stopped.
@@ -273,7 +275,11 @@ async def test_clean_shutdown_leaves_no_process_or_fd(kind: str) -> None:
 async def test_finished_outputs_carry_the_finish_reason(kind: str) -> None:
     with trio.fail_after(30):
         async with open_harness(kind) as harness:
-            await harness.add(request("stop", [5], 50, stop_token_ids=[9]))
+            await harness.add(
+                EngineCoreRequest.for_tokens(
+                    [5], request_id="stop", max_tokens=50, stop_token_ids=[9]
+                )
+            )
             outputs: list[Any] = []
             while not outputs or outputs[-1].finish_reason is None:
                 outputs += (await harness.get_output()).outputs

@@ -43,6 +43,7 @@ EXPECTED_OUTPUT: dict[str, list[str]] = {
         "engine ready (pid ",
         "generated 80 tokens, finish reason: length",
         "text: The river",
+        "rejected: the prompt has 6000 tokens, but max_model_len is 4096",
         "engine stopped",
     ],
     "many_requests": [

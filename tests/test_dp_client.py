@@ -11,16 +11,9 @@ import trio.testing
 
 from trio_enginecore import EngineConfig, EngineDeadError, open_engine_client
 from trio_enginecore.client import DPLBTrioMPClient, EngineConsensusError
-from trio_enginecore.protocol import EngineCoreRequest, SamplingParams
+from trio_enginecore.protocol import EngineCoreRequest
 
-from .support import children_of_this_process, expected, request
-
-
-def ranked_request(
-    request_id: str, prompt: list[int], rank: int, max_tokens: int = 4
-) -> EngineCoreRequest:
-    params = SamplingParams(max_tokens=max_tokens)
-    return EngineCoreRequest(request_id, prompt, None, params, None, 0.0, None, None, rank)
+from .support import children_of_this_process, expected
 
 
 async def test_600_concurrent_streams_over_3_engines_complete_exactly() -> None:
@@ -33,7 +26,9 @@ async def test_600_concurrent_streams_over_3_engines_complete_exactly() -> None:
 
             async def run(rid: str) -> None:
                 tokens: list[int] = []
-                async with client.stream(request(rid, prompts[rid], 16)) as outputs:
+                async with client.stream(
+                    EngineCoreRequest.for_tokens(prompts[rid], request_id=rid, max_tokens=16)
+                ) as outputs:
                     async for output in outputs:
                         tokens += output.new_token_ids
                 results[rid] = tokens
@@ -59,7 +54,9 @@ async def test_uniform_load_is_balanced_and_aborts_go_only_to_the_owning_engine(
                 nonlocal started
                 with trio.CancelScope() as scope:
                     scopes[rid] = scope
-                    async with client.stream(request(rid, [1], 100_000)) as outputs:
+                    async with client.stream(
+                        EngineCoreRequest.for_tokens([1], request_id=rid, max_tokens=100_000)
+                    ) as outputs:
                         await outputs.receive()
                         started += 1
                         if started == 600:
@@ -98,7 +95,12 @@ async def test_an_explicit_rank_on_the_request_is_honoured() -> None:
         async with open_engine_client(EngineConfig(data_parallel_size=3)) as client:
             for rank in (2, 2, 0, 1):
                 await client.add_request(
-                    ranked_request(f"r{rank}-{trio.current_time()}", [1], rank)
+                    EngineCoreRequest.for_tokens(
+                        [1],
+                        request_id=f"r{rank}-{trio.current_time()}",
+                        data_parallel_rank=rank,
+                        max_tokens=4,
+                    )
                 )
             seen: dict[int, int] = {}
             finished = 0
@@ -137,7 +139,9 @@ async def test_killing_one_rank_fails_its_requests_and_then_the_client() -> None
 
             async def run(i: int) -> None:
                 # Pin requests to ranks so we know whose they are.
-                req = ranked_request(f"k{i}", [1], i % 3)
+                req = EngineCoreRequest.for_tokens(
+                    [1], request_id=f"k{i}", data_parallel_rank=i % 3, max_tokens=4
+                )
                 assert req.sampling_params is not None
                 req.sampling_params.max_tokens = 300
                 try:
@@ -160,7 +164,7 @@ async def test_killing_one_rank_fails_its_requests_and_then_the_client() -> None
             assert sorted(failures) == ["k1", "k4", "k7"]
             assert sorted(finished) == ["k0", "k2", "k3", "k5", "k6", "k8"]
             with pytest.raises(EngineDeadError):
-                await client.add_request(request("after", [1]))
+                await client.add_request(EngineCoreRequest.for_tokens([1], request_id="after"))
     assert children_of_this_process() == []
 
 
@@ -172,7 +176,10 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
             assert len(tasks) == 1  # the coordinator
             async with trio.open_nursery() as nursery:
                 for i in range(30):
-                    nursery.start_soon(client.add_request, request(f"c{i}", [1], 100_000))
+                    nursery.start_soon(
+                        client.add_request,
+                        EngineCoreRequest.for_tokens([1], request_id=f"c{i}", max_tokens=100_000),
+                    )
             engines = client._engines  # pyright: ignore[reportPrivateUsage]
             # The engines report, the coordinator publishes, the client folds it in:
             # the published counts end up equal to what the engines say directly.
@@ -201,7 +208,11 @@ async def test_engine_core_dead_fails_only_the_engine_that_sent_it() -> None:
 
                 async def stream(rid: str, rank: int) -> None:
                     try:
-                        async with client.stream(ranked_request(rid, [1], rank, 100_000)) as outs:
+                        async with client.stream(
+                            EngineCoreRequest.for_tokens(
+                                [1], request_id=rid, data_parallel_rank=rank, max_tokens=100_000
+                            )
+                        ) as outs:
                             async for output in outs:
                                 tokens[rid] += len(output.new_token_ids)
                     except EngineDeadError as exc:

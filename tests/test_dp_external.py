@@ -11,12 +11,13 @@ import trio
 from trio_enginecore import (
     CoordinatorAddresses,
     EngineConfig,
+    EngineCoreRequest,
     open_coordinator,
     open_engine_client,
 )
 from trio_enginecore.client import DPTrioMPClient
 
-from .support import children_of_this_process, expected, request
+from .support import children_of_this_process, expected
 
 
 def rank_config(rank: int, size: int = 2) -> EngineConfig:
@@ -58,7 +59,9 @@ async def open_group(
 
 async def generate(client: DPTrioMPClient, rid: str, prompt: list[int], tokens: int) -> None:
     got: list[int] = []
-    async with client.stream(request(rid, prompt, tokens)) as outputs:
+    async with client.stream(
+        EngineCoreRequest.for_tokens(prompt, request_id=rid, max_tokens=tokens)
+    ) as outputs:
         async for output in outputs:
             got += output.new_token_ids
     assert got == expected(prompt, tokens)

@@ -28,7 +28,6 @@ from trio_enginecore.protocol import (
     LoRARequest,
     PoolingParams,
     RequestError,
-    SamplingParams,
     Tensor,
     UtilityOutput,
     UtilityResult,
@@ -58,19 +57,14 @@ def req(
     lora: LoRARequest | None = None,
     **sampling: Any,
 ) -> EngineCoreRequest:
-    """A generation request as a frontend would send it."""
-    return EngineCoreRequest(
-        rid,
-        None if prompt is None else list(prompt),
-        None,
-        SamplingParams(max_tokens=max_tokens, **sampling),
-        None,
-        0.0,
-        lora,
-        None,
-        None,
-        client_index=client_index,
+    """A generation request as a frontend would send it (``prompt=None``: none at all)."""
+    request = EngineCoreRequest.for_tokens(
+        prompt or (), request_id=rid, max_tokens=max_tokens, lora_request=lora, **sampling
     )
+    if prompt is None:
+        request.prompt_token_ids = None
+    request.client_index = client_index
+    return request
 
 
 def engine_with(clock: FakeClock | None = None, **config: Any) -> EngineCore:

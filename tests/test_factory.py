@@ -10,6 +10,7 @@ import trio
 from trio_enginecore import (
     EngineConfig,
     EngineCoreClient,
+    EngineCoreRequest,
     InprocClient,
     SyncMPClient,
     TrioInprocClient,
@@ -19,14 +20,14 @@ from trio_enginecore import (
 from trio_enginecore.client import ClientKind, select_client_kind
 from trio_enginecore.engine import CounterModel
 
-from .support import children_of_this_process, request
+from .support import children_of_this_process
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def generate(client: EngineCoreClient, request_id: str, prompt: list[int], n: int) -> list[int]:
     """Run one request to completion through the blocking batch API."""
-    client.add_request(request(request_id, prompt, n))
+    client.add_request(EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=n))
     tokens: list[int] = []
     deadline = time.monotonic() + 20
     while True:
@@ -151,7 +152,9 @@ async def test_open_engine_client_in_process_gives_a_working_trio_inproc_client(
             assert isinstance(client, TrioInprocClient)
             assert client.engine_pids == (None,)
             tokens: list[int] = []
-            async with client.stream(request("r", [10], 5)) as outputs:
+            async with client.stream(
+                EngineCoreRequest.for_tokens([10], request_id="r", max_tokens=5)
+            ) as outputs:
                 async for output in outputs:
                     tokens += output.new_token_ids
             assert tokens == CounterModel.expected_tokens([10], 5)

@@ -10,7 +10,7 @@ import pytest
 
 from trio_enginecore.config import EngineConfig
 from trio_enginecore.engine import CounterModel, EngineCore, NgramModel, make_model
-from trio_enginecore.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from trio_enginecore.protocol import EngineCoreRequest, FinishReason
 
 EOS = 256
 
@@ -98,16 +98,8 @@ def generate(
     """Step a fresh ngram engine until the request ends; its tokens and finish reason."""
     engine = engine or EngineCore(EngineConfig(model="ngram"))
     engine.add_request(
-        EngineCoreRequest(
-            "gen",
-            engine.model.tokenize(prompt),
-            None,
-            SamplingParams(max_tokens=max_tokens, **sampling),
-            None,
-            0.0,
-            None,
-            None,
-            None,
+        EngineCoreRequest.for_tokens(
+            engine.model.tokenize(prompt), request_id="gen", max_tokens=max_tokens, **sampling
         )
     )
     tokens: list[int] = []
@@ -160,16 +152,8 @@ def test_a_seeded_request_is_unaffected_by_other_requests_in_the_batch() -> None
     engine = EngineCore(EngineConfig(model="ngram"))
     for i in range(3):
         engine.add_request(
-            EngineCoreRequest(
-                f"other{i}",
-                engine.model.tokenize("A nursery"),
-                None,
-                SamplingParams(max_tokens=200),
-                None,
-                0.0,
-                None,
-                None,
-                None,
+            EngineCoreRequest.for_tokens(
+                engine.model.tokenize("A nursery"), request_id=f"other{i}", max_tokens=200
             )
         )
     engine.step()  # the unseeded requests draw from the engine's generator first

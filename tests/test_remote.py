@@ -22,6 +22,7 @@ import trio
 from trio_enginecore import (
     CoordinatorAddresses,
     EngineConfig,
+    EngineCoreRequest,
     EngineDeadError,
     EngineStartupError,
     RemoteEngines,
@@ -41,7 +42,7 @@ from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.client._remote import connectable
 
-from .support import children_of_this_process, expected, free_port, request
+from .support import children_of_this_process, expected, free_port
 
 
 class Keys:
@@ -107,7 +108,9 @@ async def running(commands: list[list[str]]) -> AsyncGenerator[list[trio.Process
 async def generate_all(client: TrioMPClient, count: int) -> None:
     async def one(i: int) -> None:
         tokens: list[int] = []
-        async with client.stream(request(f"r{i}", [i + 1], 8)) as outputs:
+        async with client.stream(
+            EngineCoreRequest.for_tokens([i + 1], request_id=f"r{i}", max_tokens=8)
+        ) as outputs:
             async for output in outputs:
                 tokens += output.new_token_ids
         assert tokens == expected([i + 1], 8)
@@ -229,7 +232,7 @@ async def test_an_engine_with_a_key_not_allowed_is_refused_and_named(tmp_path: P
         async with running(commands):
             remote = RemoteEngines(address, curve=keys.server())
             with pytest.raises(EngineStartupError) as caught:
-                async with open_engine_client(config, remote=remote, ready_timeout_s=3):
+                async with open_engine_client(config, remote=remote, ready_timeout_s=5):
                     pytest.fail("the client must not start with an unauthenticated rank")
     message = str(caught.value)
     assert "engine rank 1 (remote) never joined" in message
@@ -389,7 +392,7 @@ async def test_a_remote_engine_killed_with_sigkill_is_noticed_by_the_liveness_ch
                 async with open_engine_client(config, remote=remote) as client:
 
                     async def stream(rid: str, rank: int) -> None:
-                        long = request(rid, [1], 100_000)
+                        long = EngineCoreRequest.for_tokens([1], request_id=rid, max_tokens=100_000)
                         long.data_parallel_rank = rank
                         try:
                             async with client.stream(long) as outputs:

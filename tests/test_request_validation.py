@@ -29,6 +29,7 @@ from trio_enginecore import (
     InprocClient,
     RequestFailedError,
     SamplingParams,
+    SyncMPClient,
     TrioMPClient,
     open_engine_client,
 )
@@ -307,17 +308,21 @@ async def test_the_batch_api_keeps_vllms_shape_for_a_rejected_request() -> None:
             await assert_nothing_registered(client)
 
 
-def test_the_in_process_blocking_client_checks_requests_too() -> None:
-    with InprocClient(EngineConfig()) as client:
+@pytest.mark.parametrize("kind", [InprocClient, SyncMPClient])
+def test_the_blocking_clients_check_requests_too(kind: type[InprocClient | SyncMPClient]) -> None:
+    with kind(EngineConfig()) as client:
         with pytest.raises(TypeError, match="request_id must be a str"):
             client.add_request(_good(request_id=7))
-        assert client.statistics().requests_in_flight == 0
+        client.add_request(_good(request_id="x", sampling_params=SamplingParams(max_tokens=1)))
+        with pytest.raises(ValueError, match="'x' is already in flight"):
+            client.add_request(_good(request_id="x"))
+        assert client.statistics().requests_in_flight == 1  # "x", once
         client.add_request(EngineCoreRequest.for_tokens([3], request_id="ok", max_tokens=2))
-        tokens: list[int] = []
+        tokens: dict[str, list[int]] = {"x": [], "ok": []}
         while client.statistics().requests_in_flight:
             for output in client.get_output().outputs:
-                tokens += output.new_token_ids
-        assert tokens == expected([3], 2)
+                tokens[output.request_id] += output.new_token_ids
+        assert tokens == {"x": expected([1, 2, 3], 1), "ok": expected([3], 2)}
 
 
 # ------------------------------------------- a failure after some tokens, the stream's part

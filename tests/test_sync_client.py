@@ -23,6 +23,7 @@ import trio
 from trio_enginecore import (
     EngineConfig,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineDeadError,
     EngineStartupError,
     InprocClient,
@@ -32,7 +33,7 @@ from trio_enginecore import (
     UtilityCallError,
 )
 
-from .support import expected, request
+from .support import expected
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -120,7 +121,11 @@ def test_sync_mp_client_used_from_8_threads_delivers_every_token_exactly_once() 
             try:
                 for r in range(PER_THREAD):
                     rid = f"t{index}-r{r}"
-                    client.add_request(request(rid, prompts[rid], MAX_TOKENS))
+                    client.add_request(
+                        EngineCoreRequest.for_tokens(
+                            prompts[rid], request_id=rid, max_tokens=MAX_TOKENS
+                        )
+                    )
                 all_added.wait()
                 while True:
                     try:
@@ -220,6 +225,7 @@ def test_sigint_interrupts_a_blocked_get_output_promptly_and_stops_the_engine() 
 
 
 SLOW_START_SCRIPT = """
+import logging
 import sys
 import trio_enginecore.client._mp as mp
 from trio_enginecore import SyncMPClient
@@ -236,6 +242,8 @@ def slow_engine_command(config, address, **kwargs):
     return [sys.executable, "-c", wrapper, *command[1:]]
 
 mp.engine_command = slow_engine_command
+# The engine's stderr reaches us through logging, which the library leaves to us.
+logging.basicConfig(format="%(message)s")
 print("constructing", flush=True)
 with SyncMPClient() as client:
     print("ready", flush=True)
@@ -266,14 +274,14 @@ def test_calls_after_close_raise_closed_resource_error_and_close_is_idempotent()
         assert client_threads() != []
         engine_pid = client.engine_pids[0]
         assert engine_pid is not None
-        client.add_request(request("r", [41], 4))
+        client.add_request(EngineCoreRequest.for_tokens([41], request_id="r", max_tokens=4))
         assert drain(client, {"r"}) == {"r": [42, 43, 44, 45]}
     # Leaving the block closed the client.
     assert wait_until_gone(engine_pid, 0)
     assert client_threads() == []
     calls: list[Callable[[], object]] = [
         client.get_output,
-        lambda: client.add_request(request("late", [1])),
+        lambda: client.add_request(EngineCoreRequest.for_tokens([1], request_id="late")),
         lambda: client.abort_requests(["r"]),
         lambda: client.call_utility("is_sleeping"),
         client.is_sleeping,
@@ -387,7 +395,7 @@ def test_kill_9_fails_a_blocked_get_output_and_every_later_call() -> None:
         with pytest.raises(EngineDeadError):
             client.get_output()
         with pytest.raises(EngineDeadError):
-            client.add_request(request("after", [1]))
+            client.add_request(EngineCoreRequest.for_tokens([1], request_id="after"))
         with pytest.raises(EngineDeadError):
             client.is_sleeping()
     finally:
@@ -423,7 +431,7 @@ def test_inproc_client_returns_empty_outputs_when_idle_and_pause_wait_keeps_outp
         assert isinstance(idle, EngineCoreOutputs)
         assert idle.outputs == []
 
-        client.add_request(request("r", [100], 30))
+        client.add_request(EngineCoreRequest.for_tokens([100], request_id="r", max_tokens=30))
         first = client.get_output()  # one step: the request is running now
         tokens = [t for o in first.outputs for t in o.new_token_ids]
         assert 0 < len(tokens) < 30
@@ -447,20 +455,20 @@ def test_inproc_client_errors() -> None:
         with pytest.raises(UtilityCallError) as info:
             client.call_utility("no_such_method")
         assert info.value.method == "no_such_method"
-        client.add_request(request("a", [1], 50))
+        client.add_request(EngineCoreRequest.for_tokens([1], request_id="a", max_tokens=50))
         with pytest.raises(ValueError, match="already in flight"):
-            client.add_request(request("a", [1], 5))
+            client.add_request(EngineCoreRequest.for_tokens([1], request_id="a", max_tokens=5))
         assert client.get_output().outputs[0].new_token_ids == [2]
         client.abort_requests(["a", "unknown"])
         assert client.statistics().requests_in_flight == 0
         assert client.get_output().outputs == []
         assert client.get_request_counts() == (0, 0)
 
-        client.add_request(request("b", [1], 50))
+        client.add_request(EngineCoreRequest.for_tokens([1], request_id="b", max_tokens=50))
         client.get_output()
         client.call_utility("inject_fault")  # the next step fails fatally
         with pytest.raises(EngineDeadError, match="fault injected"):
             client.get_output()
         with pytest.raises(EngineDeadError, match="fault injected"):
-            client.add_request(request("c", [1]))
+            client.add_request(EngineCoreRequest.for_tokens([1], request_id="c"))
         assert client.statistics().engines_alive == 0

@@ -9,10 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from trio_enginecore import EngineDeadError, FinishReason, UtilityCallError
+from trio_enginecore import EngineCoreRequest, EngineDeadError, FinishReason, UtilityCallError
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
-
-from .support import request
 
 
 async def test_unscripted_requests_count_like_the_counter_model(
@@ -21,7 +19,9 @@ async def test_unscripted_requests_count_like_the_counter_model(
     engine = FakeEngine(step_time_s=0.5)
     async with open_fake_engine_client(engine) as client:
         tokens: list[int] = []
-        async with client.stream(request("r", [7], 4)) as outputs:
+        async with client.stream(
+            EngineCoreRequest.for_tokens([7], request_id="r", max_tokens=4)
+        ) as outputs:
             async for output in outputs:
                 tokens += output.new_token_ids
                 last = output
@@ -36,7 +36,7 @@ async def test_scripted_steps_and_finish_reason(autojump_clock: trio.testing.Moc
     engine = FakeEngine(step_time_s=1.0)
     engine.script("s", [[1, 2], [3]], finish_reason=FinishReason.STOP, stop_reason=3)
     async with open_fake_engine_client(engine) as client:
-        await client.add_request(request("s", [0], 100))
+        await client.add_request(EngineCoreRequest.for_tokens([0], request_id="s", max_tokens=100))
         first = (await client.get_output()).outputs[0]
         second = (await client.get_output()).outputs[0]
     assert first.new_token_ids == [1, 2]
@@ -52,7 +52,9 @@ async def test_leaving_a_stream_early_is_recorded_as_an_abort(
     engine = FakeEngine(step_time_s=1.0)
     async with open_fake_engine_client(engine) as client:
         with trio.move_on_after(2.5):
-            async with client.stream(request("long", [0], 1000)) as outputs:
+            async with client.stream(
+                EngineCoreRequest.for_tokens([0], request_id="long", max_tokens=1000)
+            ) as outputs:
                 async for _ in outputs:
                     pass
         await trio.testing.wait_all_tasks_blocked()
@@ -92,7 +94,9 @@ async def test_kill_fails_every_waiter_and_the_block(
 
             async def reader(i: int) -> None:
                 try:
-                    async with client.stream(request(f"r{i}", [0], 100)) as outputs:
+                    async with client.stream(
+                        EngineCoreRequest.for_tokens([0], request_id=f"r{i}", max_tokens=100)
+                    ) as outputs:
                         async for _ in outputs:
                             pass
                 except EngineDeadError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging as _logging
+
 from . import errors as errors, protocol as protocol, serial as serial
 from ._curve import (
     CurveClient as CurveClient,
@@ -120,3 +122,7 @@ __all__ = [
 ]
 
 __version__ = "0.1.0.dev0"
+
+# Logging is the application's to configure: without a handler here, Python's
+# last-resort handler would print our warnings to stderr in programs that set up none.
+_logging.getLogger("trio_enginecore").addHandler(_logging.NullHandler())

@@ -78,6 +78,22 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level on stderr (default: %(default)s)",
     )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "relay"],
+        help="'text': timestamped lines for a terminal or a log file; 'relay': 'LEVEL "
+        "message' lines with no timestamp, for a parent process that re-logs them at "
+        "their level (clients that launch engines ask for it) (default: %(default)s)",
+    )
+
+
+def _configure_logging(args: argparse.Namespace, tag: str) -> None:
+    if args.log_format == "relay":
+        template = "%(levelname)s %(message)s"
+    else:
+        template = f"%(asctime)s {tag} %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level, format=template, stream=sys.stderr)
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> None:
@@ -415,11 +431,7 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         )
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    _configure_logging(args, f"engine[{args.rank}]")
     return serve(
         config,
         inputs=args.input_address,
@@ -504,11 +516,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         from .engine._coordinator import CoordinatorAddresses
         from .engine._serve import serve_coordinator
 
-        logging.basicConfig(
-            level=args.log_level,
-            format="%(asctime)s coordinator %(levelname)s %(message)s",
-            stream=sys.stderr,
-        )
+        _configure_logging(args, "coordinator")
         if bool(args.curve_secret_key) != bool(args.curve_allow):
             parser.error("--curve-secret-key and --curve-allow go together")
         curve = None

@@ -1,38 +1,22 @@
 """Cancellation and timeouts: what a cancelled stream and a timed-out utility call do."""
 
-import time
-
 import trio
 
 from trio_enginecore import (
     AsyncEngineCoreClient,
     EngineConfig,
     EngineCoreRequest,
-    SamplingParams,
     open_engine_client,
 )
-
-
-def counting_request(request_id: str, max_tokens: int) -> EngineCoreRequest:
-    # The "counter" model continues a prompt 1, 2, 3 with 4, 5, 6, ...
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=[1, 2, 3],
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
 
 
 async def cancel_a_stream(client: AsyncEngineCoreClient) -> None:
     print("1. a stream under move_on_after(0.2)")
     received = 0
+    # The "counter" model continues a prompt 1, 2, 3 with 4, 5, 6, ...
+    request = EngineCoreRequest.for_tokens([1, 2, 3], request_id="long", max_tokens=10_000)
     with trio.move_on_after(0.2) as scope:
-        async with client.stream(counting_request("long", max_tokens=10_000)) as outputs:
+        async with client.stream(request) as outputs:
             async for output in outputs:
                 if received == 0:
                     waiting, running = await client.get_request_counts()
@@ -47,7 +31,9 @@ async def cancel_a_stream(client: AsyncEngineCoreClient) -> None:
 
 async def time_out_a_utility_call(client: AsyncEngineCoreClient) -> None:
     print("2. a utility call under move_on_after(0.1)")
-    await client.add_request(counting_request("short", max_tokens=50))
+    await client.add_request(
+        EngineCoreRequest.for_tokens([1, 2, 3], request_id="short", max_tokens=50)
+    )
     await client.get_output()  # its first token: the request is running now
     # pause_scheduler("wait") only replies once the running requests have finished,
     # which takes 49 more steps of 10 ms here: longer than our timeout.

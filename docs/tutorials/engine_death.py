@@ -2,7 +2,6 @@
 
 import os
 import signal
-import time
 
 import trio
 
@@ -10,7 +9,6 @@ from trio_enginecore import (
     EngineConfig,
     EngineCoreRequest,
     EngineDeadError,
-    SamplingParams,
     open_engine_client,
 )
 
@@ -20,20 +18,6 @@ from trio_enginecore import (
 CONFIG = EngineConfig(model="counter", step_time_s=0.01, enable_fault_injection=True)
 
 
-def counting_request(request_id: str, max_tokens: int) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=[1, 2, 3],
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
-
-
 async def fatal_error() -> None:
     print("1. the engine reports a fatal error")
     try:
@@ -41,7 +25,9 @@ async def fatal_error() -> None:
             received = 0
             injected = False
             try:
-                async with client.stream(counting_request("doomed", 10_000)) as outputs:
+                async with client.stream(
+                    EngineCoreRequest.for_tokens([1, 2, 3], request_id="doomed", max_tokens=10_000)
+                ) as outputs:
                     async for output in outputs:
                         received += len(output.new_token_ids)
                         if received >= 10 and not injected:
@@ -67,7 +53,9 @@ async def killed_process() -> None:
         async with open_engine_client(CONFIG) as client:
             pid = client.engine_pids[0]
             assert pid is not None
-            await client.add_request(counting_request("orphan", 10_000))
+            await client.add_request(
+                EngineCoreRequest.for_tokens([1, 2, 3], request_id="orphan", max_tokens=10_000)
+            )
             await client.get_output()  # the request is running
             os.kill(pid, signal.SIGKILL)
             # get_output() returns what already arrived, then raises.
@@ -81,7 +69,9 @@ async def restart() -> None:
     print("3. restarting means opening a new client")
     async with open_engine_client(CONFIG) as client:
         token_ids: list[int] = []
-        async with client.stream(counting_request("again", 5)) as outputs:
+        async with client.stream(
+            EngineCoreRequest.for_tokens([1, 2, 3], request_id="again", max_tokens=5)
+        ) as outputs:
             async for output in outputs:
                 token_ids.extend(output.new_token_ids)
         print(f"   a new engine (pid {client.engine_pids[0]}) generated {token_ids}")

@@ -1,10 +1,8 @@
 """First steps: start the built-in engine, stream one generation, print the text."""
 
-import time
-
 import trio
 
-from trio_enginecore import EngineConfig, EngineCoreRequest, SamplingParams, open_engine_client
+from trio_enginecore import EngineConfig, EngineCoreRequest, RequestFailedError, open_engine_client
 from trio_enginecore.engine import NgramModel
 
 
@@ -14,16 +12,12 @@ async def main() -> None:
     tokenizer = NgramModel()
     prompt = "The river"
 
-    request = EngineCoreRequest(
+    request = EngineCoreRequest.for_tokens(
+        tokenizer.tokenize(prompt),
         request_id="first-steps-1",
-        prompt_token_ids=tokenizer.tokenize(prompt),
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=80, temperature=0.5, seed=1),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
+        max_tokens=80,
+        temperature=0.5,
+        seed=1,
     )
 
     # Launch the engine as a child process and wait until it is ready.
@@ -40,6 +34,16 @@ async def main() -> None:
 
         print(f"generated {len(token_ids)} tokens, finish reason: {finish_reason}")
         print("text:", prompt + tokenizer.detokenize(token_ids))
+
+        # A request the engine cannot serve makes its stream raise, with the reason.
+        # The engine and the client go on serving everyone else.
+        too_long = EngineCoreRequest.for_tokens(tokenizer.tokenize("la " * 2000))
+        try:
+            async with client.stream(too_long) as outputs:
+                async for output in outputs:
+                    token_ids.extend(output.new_token_ids)
+        except RequestFailedError as exc:
+            print("rejected:", exc.engine_message)
     # Leaving the block stopped the engine and cleaned everything up.
     print("engine stopped")
 

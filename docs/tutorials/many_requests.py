@@ -1,34 +1,17 @@
 """Many requests at once: concurrent streams in a nursery, then the batch API."""
 
-import time
-
 import trio
 
 from trio_enginecore import (
     AsyncEngineCoreClient,
     EngineConfig,
     EngineCoreRequest,
-    SamplingParams,
     open_engine_client,
 )
 from trio_enginecore.engine import NgramModel
 
 PROMPTS = ["The scheduler", "A good test", "The river", "Every request"]
 tokenizer = NgramModel()
-
-
-def make_request(request_id: str, prompt: str, seed: int) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=tokenizer.tokenize(prompt),
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=40, temperature=0.5, seed=seed),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
 
 
 async def generate(
@@ -47,7 +30,13 @@ async def with_streams(client: AsyncEngineCoreClient) -> None:
     texts: dict[str, str] = {}
     async with trio.open_nursery() as nursery:
         for i, prompt in enumerate(PROMPTS):
-            request = make_request(f"stream-{i}", prompt, seed=i)
+            request = EngineCoreRequest.for_tokens(
+                tokenizer.tokenize(prompt),
+                request_id=f"stream-{i}",
+                max_tokens=40,
+                temperature=0.5,
+                seed=i,
+            )
             nursery.start_soon(generate, client, request, prompt, texts)
     # The nursery block only ends when every task has finished.
     elapsed = trio.current_time() - started
@@ -59,7 +48,13 @@ async def with_streams(client: AsyncEngineCoreClient) -> None:
 async def with_batches(client: AsyncEngineCoreClient) -> None:
     token_ids: dict[str, list[int]] = {}
     for i, prompt in enumerate(PROMPTS):
-        request = make_request(f"batch-{i}", prompt, seed=i)
+        request = EngineCoreRequest.for_tokens(
+            tokenizer.tokenize(prompt),
+            request_id=f"batch-{i}",
+            max_tokens=40,
+            temperature=0.5,
+            seed=i,
+        )
         await client.add_request(request)
         token_ids[request.request_id] = []
 

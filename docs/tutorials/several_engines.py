@@ -5,7 +5,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import trio
 
@@ -14,28 +13,11 @@ from trio_enginecore import (
     EngineConfig,
     EngineCoreRequest,
     RemoteEngines,
-    SamplingParams,
     open_coordinator,
     open_engine_client,
     write_key_pair,
 )
 from trio_enginecore.client import DPTrioMPClient
-
-
-def counting_request(
-    request_id: str, max_tokens: int, rank: int | None = None
-) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=[1, 2, 3],
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=rank,
-    )
 
 
 async def one_client_three_engines() -> None:
@@ -46,7 +28,9 @@ async def one_client_three_engines() -> None:
         peak: list[tuple[int, int]] = []
 
         async def generate(request_id: str) -> None:
-            async with client.stream(counting_request(request_id, 20)) as outputs:
+            async with client.stream(
+                EngineCoreRequest.for_tokens([1, 2, 3], request_id=request_id, max_tokens=20)
+            ) as outputs:
                 async for _ in outputs:
                     pass
 
@@ -58,7 +42,11 @@ async def one_client_three_engines() -> None:
         print(f"   requests per engine while all 90 ran: {[w + r for w, r in peak]}")
 
         # A request may name its engine; the client sends it there.
-        async with client.stream(counting_request("pinned", 3, rank=2)) as outputs:
+        async with client.stream(
+            EngineCoreRequest.for_tokens(
+                [1, 2, 3], request_id="pinned", data_parallel_rank=2, max_tokens=3
+            )
+        ) as outputs:
             tokens = [t async for output in outputs for t in output.new_token_ids]
         print(f"   pinned to rank 2: {tokens}")
 
@@ -107,7 +95,9 @@ async def one_client_per_engine() -> None:
             nursery.start_soon(frontend, 1)
             await all_open.wait()
             first = next(c for c in clients if c.config.data_parallel_rank == 0)
-            async with first.stream(counting_request("hello", 10)) as outputs:
+            async with first.stream(
+                EngineCoreRequest.for_tokens([1, 2, 3], request_id="hello", max_tokens=10)
+            ) as outputs:
                 async for _ in outputs:
                     pass
             await both_saw_the_end.wait()
@@ -151,7 +141,9 @@ async def an_engine_over_tcp() -> None:
             remote = RemoteEngines(address, curve=curve)
             async with open_engine_client(EngineConfig(), remote=remote) as client:
                 print(f"   launched by the client: {client.engine_pids}")
-                async with client.stream(counting_request("over-tcp", 5)) as outputs:
+                async with client.stream(
+                    EngineCoreRequest.for_tokens([1, 2, 3], request_id="over-tcp", max_tokens=5)
+                ) as outputs:
                     tokens = [t async for output in outputs for t in output.new_token_ids]
                 print(f"   generated over CURVE: {tokens}")
         finally:

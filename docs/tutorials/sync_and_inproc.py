@@ -1,7 +1,6 @@
 """Sync and in-process clients: the same engine from threads, and without a process."""
 
 import threading
-import time
 
 import trio
 
@@ -9,7 +8,6 @@ from trio_enginecore import (
     EngineConfig,
     EngineCoreClient,
     EngineCoreRequest,
-    SamplingParams,
     SyncMPClient,
     make_client,
     open_engine_client,
@@ -17,20 +15,6 @@ from trio_enginecore import (
 from trio_enginecore.engine import CounterModel
 
 CONFIG = EngineConfig(model="counter")
-
-
-def counting_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
 
 
 def collect(client: EngineCoreClient, request_ids: set[str]) -> dict[str, list[int]]:
@@ -52,7 +36,11 @@ def sync_client_from_threads() -> None:
 
         def submit(thread_number: int) -> None:
             prompt = [100 * thread_number]
-            client.add_request(counting_request(f"thread-{thread_number}", prompt, 4))
+            client.add_request(
+                EngineCoreRequest.for_tokens(
+                    prompt, request_id=f"thread-{thread_number}", max_tokens=4
+                )
+            )
 
         threads = [threading.Thread(target=submit, args=(n,)) for n in (1, 2, 3)]
         for thread in threads:
@@ -72,7 +60,7 @@ def blocking_in_process() -> None:
     with make_client(CONFIG, multiprocess=False) as client:
         print(f"   client class: {type(client).__name__}")
         prompt = [7, 8, 9]
-        client.add_request(counting_request("inproc", prompt, 5))
+        client.add_request(EngineCoreRequest.for_tokens(prompt, request_id="inproc", max_tokens=5))
         # Each get_output() call runs one engine step in this thread.
         tokens = collect(client, {"inproc"})["inproc"]
         expected = CounterModel.expected_tokens(prompt, 5)
@@ -85,7 +73,9 @@ async def trio_in_process() -> None:
     async with open_engine_client(CONFIG, multiprocess=False) as client:
         print(f"   client class: {type(client).__name__}, engine pids: {client.engine_pids}")
         token_ids: list[int] = []
-        async with client.stream(counting_request("trio-inproc", [41], 3)) as outputs:
+        async with client.stream(
+            EngineCoreRequest.for_tokens([41], request_id="trio-inproc", max_tokens=3)
+        ) as outputs:
             async for output in outputs:
                 token_ids.extend(output.new_token_ids)
         print(f"   streamed {token_ids}")

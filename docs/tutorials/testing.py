@@ -10,7 +10,6 @@ from trio_enginecore import (
     EngineCoreRequest,
     EngineDeadError,
     FinishReason,
-    SamplingParams,
 )
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
@@ -21,9 +20,7 @@ async def complete(
     client: AsyncEngineCoreClient, request_id: str, prompt: list[int], *, timeout_s: float = 5.0
 ) -> tuple[list[int], str]:
     """Collect one generation; give up after ``timeout_s`` (the request is aborted)."""
-    request = EngineCoreRequest(
-        request_id, prompt, None, SamplingParams(max_tokens=64), None, 0.0, None, None, None
-    )
+    request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=64)
     tokens: list[int] = []
     outcome = "timeout"
     with trio.move_on_after(timeout_s):

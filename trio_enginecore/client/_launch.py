@@ -21,6 +21,9 @@ from ._lb import EngineLoad
 __all__ = [
     "EngineHandle",
     "engine_command",
+    "engine_log_level",
+    "engine_logger",
+    "parse_relayed_line",
     "private_ipc_dir",
     "serve_arguments",
     "start_engine_process",
@@ -29,6 +32,10 @@ __all__ = [
 logger = logging.getLogger("trio_enginecore.client")
 
 STDERR_TAIL_LINES: Final = 20
+_ENGINE_LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
+_RELAY_LEVELS: Final = {
+    name: logging.getLevelNamesMapping()[name] for name in (*_ENGINE_LOG_LEVELS, "CRITICAL")
+}
 # A unix socket path must fit in ~107 bytes; keep the directory well below that.
 _MAX_IPC_DIR_LEN: Final = 60
 
@@ -76,10 +83,29 @@ def serve_arguments(config: EngineConfig) -> list[str]:
     return arguments
 
 
+def engine_logger(rank: int) -> logging.Logger:
+    """The logger an engine's relayed log lines go to: ``trio_enginecore.engine.rank<N>``."""
+    return logging.getLogger(f"trio_enginecore.engine.rank{rank}")
+
+
+def engine_log_level(rank: int) -> str:
+    """The ``--log-level`` for a launched engine: what its relay logger would show,
+    so an engine does not format lines nobody will see, and DEBUG here is DEBUG there."""
+    level = engine_logger(rank).getEffectiveLevel()
+    for name in _ENGINE_LOG_LEVELS:
+        if level <= logging.getLevelNamesMapping()[name]:
+            return name
+    return "ERROR"
+
+
 def engine_command(
-    config: EngineConfig, handshake_address: str, *, log_level: str = "WARNING"
+    config: EngineConfig, handshake_address: str, *, log_level: str | None = None
 ) -> list[str]:
-    """The command line that starts one engine of ``config`` in handshake mode."""
+    """The command line that starts one engine of ``config`` in handshake mode.
+
+    Its log lines come in the relay format (level first, no timestamp), which
+    :func:`start_engine_process` re-logs once, at their own level.
+    """
     return [
         sys.executable,
         "-m",
@@ -89,9 +115,25 @@ def engine_command(
         handshake_address,
         "--exit-with-parent",
         "--log-level",
-        log_level,
+        log_level or engine_log_level(config.data_parallel_rank),
+        "--log-format",
+        "relay",
         *serve_arguments(config),
     ]
+
+
+def parse_relayed_line(line: str, previous: int | None) -> tuple[int, str]:
+    """The level and message of one stderr line of an engine in relay format.
+
+    A line that does not start with a level name continues the previous record (a
+    traceback, a multi-line message) and keeps its level; with no previous record it
+    is something the engine wrote outside logging (an interpreter crash, say): WARNING.
+    """
+    name, _, message = line.partition(" ")
+    level = _RELAY_LEVELS.get(name)
+    if level is not None:
+        return level, message
+    return (logging.WARNING if previous is None else previous), line
 
 
 @attrs.define(eq=False)
@@ -120,7 +162,7 @@ class EngineHandle:
         pid = f", pid {self.process.pid}" if self.process is not None else ""
         return f"engine rank {self.rank}{pid}"
 
-    def exit_description(self, *, with_name: bool = True) -> str:
+    def exit_description(self, *, with_name: bool = True, with_stderr: bool = True) -> str:
         """How the engine's process ended, with its last stderr lines."""
         parts = [self.describe()] if with_name else []
         if self.process is not None and self.process.returncode is not None:
@@ -128,7 +170,7 @@ class EngineHandle:
             parts.append(
                 f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
             )
-        if self.stderr_tail:
+        if with_stderr and self.stderr_tail:
             parts.append("last stderr lines:\n  " + "\n  ".join(self.stderr_tail))
         return "; ".join(parts)
 
@@ -154,7 +196,8 @@ async def _read_stderr(engine: EngineHandle) -> None:
     process = engine.process
     assert process is not None
     assert process.stderr is not None
-    engine_logger = logging.getLogger(f"trio_enginecore.engine.rank{engine.rank}")
+    relay = engine_logger(engine.rank)
+    level: int | None = None
     buffer = b""
     try:
         async for chunk in process.stderr:
@@ -163,8 +206,9 @@ async def _read_stderr(engine: EngineHandle) -> None:
             for raw in lines:
                 line = raw.decode("utf-8", errors="replace").rstrip()
                 if line:
+                    level, message = parse_relayed_line(line, level)
                     engine.stderr_tail.append(line)
-                    engine_logger.warning("%s", line)
+                    relay.log(level, "%s", message)
     except (trio.ClosedResourceError, trio.BrokenResourceError):
         pass
     finally:

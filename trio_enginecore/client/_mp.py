@@ -142,6 +142,7 @@ class TrioMPClient(TrioClientBase):
         self._sock_in().send_multipart_nowait(frames)
 
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
+        logger.debug("engine rank %d: ABORT %d request(s)", engine.rank, len(request_ids))
         try:
             self._sock_in().send_multipart_nowait(
                 [engine.identity, _ABORT, *self._encoder.encode(request_ids)]
@@ -314,6 +315,9 @@ class TrioMPClient(TrioClientBase):
         self._output = self._server_socket(zmq.PULL)
         bound_input = bind_address(self._input, input_address, role="client input, ROUTER")
         bound_output = bind_address(self._output, output_address, role="client output, PULL")
+        logger.debug(
+            "bound the input ROUTER at %s and the output PULL at %s", bound_input, bound_output
+        )
         handshake: TrioSocket | None = None
         timeout = trio.CancelScope()
         try:
@@ -330,6 +334,7 @@ class TrioMPClient(TrioClientBase):
                             else f"ipc://{self._ipc_dir}/handshake",
                             role="client handshake, ROUTER",
                         )
+                        logger.debug("bound the handshake ROUTER at %s", handshake_address)
                         await self._launch_engines(
                             nursery, local, handshake_address, local_arguments
                         )
@@ -486,12 +491,18 @@ class TrioMPClient(TrioClientBase):
             if isinstance(message, HandshakeReady):
                 # A fast engine can be READY before a slower one has said HELLO.
                 self._handshake_ready.add(bytes(identity))
+                logger.debug(
+                    "handshake: engine rank %d reported READY", int.from_bytes(identity, "little")
+                )
                 continue
             engine = waiting.pop(bytes(identity), None)
             if engine is None:
                 logger.warning("ignoring a HELLO from unexpected identity %r", identity)
                 continue
             self._hellos.add(engine.identity)
+            logger.debug(
+                "handshake: engine rank %d said HELLO; sending it the addresses", engine.rank
+            )
             await sock.send_multipart([engine.identity, *metadata])
 
     async def _wait_handshake_ready(self, sock: TrioSocket) -> None:
@@ -502,6 +513,9 @@ class TrioMPClient(TrioClientBase):
             message = decoder.decode(payload)
             if isinstance(message, HandshakeReady):
                 waiting.discard(bytes(identity))
+                logger.debug(
+                    "handshake: engine rank %d reported READY", int.from_bytes(identity, "little")
+                )
 
     async def _wait_ready(self) -> None:
         sock = self._sock_in()
@@ -524,6 +538,7 @@ class TrioMPClient(TrioClientBase):
                     raise EngineStartupError(
                         f"{engine.describe()} sent an invalid ready message: {exc}"
                     ) from exc
+            logger.debug("%s is ready", engine.describe())
 
     # ---------------------------------------------------------------- shutdown
 
@@ -559,12 +574,14 @@ class TrioMPClient(TrioClientBase):
             self._ctx.destroy(linger=0)
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            logger.debug("client closed: sockets, context and private directory released")
 
     async def _stop_processes(self, timeout_s: float) -> None:
         processes = [e.process for e in self._engines if e.process is not None]
-        for process in processes:
-            if process.returncode is None:
-                process.terminate()
+        for engine in self._engines:
+            if engine.process is not None and engine.process.returncode is None:
+                logger.debug("shutdown: sending SIGTERM to %s", engine.describe())
+                engine.process.terminate()
         with trio.move_on_after(timeout_s):
             for process in processes:
                 await process.wait()
@@ -577,8 +594,10 @@ class TrioMPClient(TrioClientBase):
                 await process.wait()
         for engine in self._engines:
             engine.alive = False
-            if engine.process is not None and engine.process.stderr is not None:
-                await engine.process.stderr.aclose()
+            if engine.process is not None:
+                logger.debug("shutdown: %s", engine.exit_description(with_stderr=False))
+                if engine.process.stderr is not None:
+                    await engine.process.stderr.aclose()
 
 
 @asynccontextmanager

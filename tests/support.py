@@ -19,9 +19,9 @@ def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def children_of_this_process() -> list[int]:
-    """Pids of this process's live children, from /proc."""
-    me = str(os.getpid())
+def children_of(pid: int) -> list[int]:
+    """Pids of the live children of process ``pid``, from /proc."""
+    parent = str(pid)
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -30,9 +30,14 @@ def children_of_this_process() -> list[int]:
             except OSError:
                 continue
             # Field 4 is the parent pid; the command name (field 2) may contain spaces.
-            if stat.rsplit(")", 1)[1].split()[1] == me:
+            if stat.rsplit(")", 1)[1].split()[1] == parent:
                 found.append(int(entry.name))
     return found
+
+
+def children_of_this_process() -> list[int]:
+    """Pids of this process's live children, from /proc."""
+    return children_of(os.getpid())
 
 
 def process_is_running(pid: int) -> bool:

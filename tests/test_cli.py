@@ -35,27 +35,12 @@ from trio_enginecore._curve import CurveKeyPair, write_key_pair
 from trio_enginecore.errors import AddressError, EngineStartupError
 from trio_enginecore.protocol import EngineCoreRequest
 
-from .support import expected, process_is_running
+from .support import children_of, expected, process_is_running
 
 CLI = [sys.executable, "-m", "trio_enginecore"]
 
 # No local interface has an address of TEST-NET-1 (RFC 5737): binding it fails.
 UNBINDABLE = "tcp://192.0.2.1:5555"
-
-
-def children_of(pid: int) -> list[int]:
-    """Pids of the live children of ``pid``, from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # Field 4 is the parent pid; the command name (field 2) may contain spaces.
-            if stat.rsplit(")", 1)[1].split()[1] == str(pid):
-                found.append(int(entry.name))
-    return found
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

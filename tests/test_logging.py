@@ -125,6 +125,10 @@ async def test_at_debug_every_lifecycle_step_is_logged_and_engine_lines_come_onc
     engine = [r for r in caplog.records if r.name == "trio_enginecore.engine.rank0"]
     messages = [r.getMessage() for r in engine]
     assert "engine drained, exiting" in messages
+    # The engine was launched at DEBUG too: its own steps come at their level.
+    engine_debug = [r.getMessage() for r in engine if r.levelno == logging.DEBUG]
+    for step in ["handshake: sent HELLO to ipc://", "handshake: sent READY", "ABORT of 1"]:
+        assert any(m.startswith(step) for m in engine_debug), (step, engine_debug)
     assert all(r.levelno == logging.INFO for r in engine if "drain" in r.getMessage())
     assert not any(TIMESTAMP.search(m) or m.startswith(("INFO", "DEBUG")) for m in messages)
     assert len(messages) == len(set(messages)), "an engine line was relayed twice"

@@ -125,6 +125,7 @@ async def engine_handshake(
     try:
         hello = HandshakeHello(local=not headless, headless=headless)
         await sock.send_multipart(MsgpackEncoder().encode(hello))
+        logger.debug("handshake: sent HELLO to %s", handshake_address)
         frames = None
         with trio.move_on_after(timeout_s):
             if secured:
@@ -145,6 +146,11 @@ async def engine_handshake(
             metadata = MsgpackDecoder(EngineHandshakeMetadata).decode(frames)
         except ProtocolError as exc:
             raise EngineStartupError(f"invalid handshake reply: {exc}") from exc
+        logger.debug(
+            "handshake: the client gave inputs %s, outputs %s",
+            metadata.addresses.inputs,
+            metadata.addresses.outputs,
+        )
     except BaseException:
         sock.close()
         raise
@@ -260,10 +266,12 @@ class EngineCoreProc:
                 inputs.append(sock)
                 # The ready message is what lets the client's ROUTER route to us.
                 await sock.send_multipart(ready)
+                logger.debug("connected to the input %s and sent the ready message", address)
             if handshake_socket is not None:
                 ready_msg = HandshakeReady(local=not headless, headless=headless)
                 await handshake_socket.send_multipart(self._encoder.encode(ready_msg))
                 handshake_socket.close()
+                logger.debug("handshake: sent READY")
             logger.info(
                 "engine rank %d serving model %r (%d input(s), %d output(s))",
                 rank,
@@ -380,9 +388,12 @@ class EngineCoreProc:
             self._handle_add(payload)
         elif request_type is EngineCoreRequestType.ABORT:
             try:
-                self.core.abort_requests(self._abort_decoder.decode(payload))
+                request_ids = self._abort_decoder.decode(payload)
             except ProtocolError as exc:
                 logger.error("dropping an invalid ABORT: %s", exc)
+            else:
+                logger.debug("ABORT of %d request(s)", len(request_ids))
+                self.core.abort_requests(request_ids)
         elif request_type is EngineCoreRequestType.UTILITY:
             self._handle_utility(payload)
         elif request_type is EngineCoreRequestType.START_DP_WAVE:

@@ -77,6 +77,8 @@ _UTILITY: Final = EngineCoreRequestType.UTILITY.value
 _MAX_DRAIN_MESSAGES: Final = 256
 _DRAIN_OUTPUTS: Final = 2048
 _ATTRIBUTION_WINDOW_S: Final = 2.0
+_STDERR_DRAIN_S: Final = 1.0
+_DEAD_ENGINE_EXIT_S: Final = 2.0
 EXTERNAL_LB_NEEDS_COORDINATOR: Final = (
     "external load balancing (data_parallel_external_lb) shares one coordinator between "
     "the clients of a data-parallel group: open one with trio_enginecore.open_coordinator() "
@@ -578,6 +580,12 @@ class TrioMPClient(TrioClientBase):
 
     async def _stop_processes(self, timeout_s: float) -> None:
         processes = [e.process for e in self._engines if e.process is not None]
+        # An engine that reported a fatal error is on its way out: a SIGTERM now would
+        # cut off its last log lines, which say why it failed.
+        with trio.move_on_after(min(_DEAD_ENGINE_EXIT_S, timeout_s)):
+            for engine in self._engines:
+                if engine.process is not None and engine.death is not None:
+                    await engine.process.wait()
         for engine in self._engines:
             if engine.process is not None and engine.process.returncode is None:
                 logger.debug("shutdown: sending SIGTERM to %s", engine.describe())
@@ -592,6 +600,12 @@ class TrioMPClient(TrioClientBase):
                 )
                 process.kill()
                 await process.wait()
+        # An exited engine's last lines (often why it died) are still in the pipe:
+        # let the reader relay them before the pipe is closed under it.
+        with trio.move_on_after(_STDERR_DRAIN_S):
+            for engine in self._engines:
+                if engine.process is not None:
+                    await engine.stderr_done.wait()
         for engine in self._engines:
             engine.alive = False
             if engine.process is not None:

@@ -6,6 +6,8 @@ every session with its description.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -47,12 +49,21 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the documentation with Sphinx; any warning (a broken reference too) fails it.
 
-    Writes docs/_build/html. The tutorials' programs are run by the tests session.
+    Writes docs/_build/html. The tutorials' programs are run by the tests session. A
+    page showing a default as attrs' generated code (``attr_dict['model'].default``)
+    instead of its value fails the build too: Sphinx does not warn about that.
     """
     session.install("-e", ".", *_group("docs"))
     session.run(
         "sphinx-build", "-E", "-W", "--keep-going", "-n", "-b", "html", "docs", "docs/_build/html"
     )
+    unrendered = [
+        str(page)
+        for page in Path("docs/_build/html").rglob("*.html")
+        if "attr_dict[" in page.read_text(encoding="utf-8")
+    ]
+    if unrendered:
+        session.error(f"defaults shown as attrs' code instead of values in: {unrendered}")
 
 
 @nox.session

@@ -7,6 +7,8 @@ sequences: a lost, duplicated or reordered token fails them.
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -28,6 +30,7 @@ from trio_enginecore.protocol import (
     LoRARequest,
     PoolingParams,
     RequestError,
+    SamplingParams,
     Tensor,
     UtilityOutput,
     UtilityResult,
@@ -660,6 +663,93 @@ def test_reset_prefix_cache_refuses_while_requests_run() -> None:
     assert result_of(engine, "reset_prefix_cache", True) is True
     run_to_completion(engine)
     assert result_of(engine, "reset_prefix_cache") is True
+
+
+# ------------------------------------------------------------ the prefix cache
+
+
+def distinct_prompt(i: int, length: int = 8) -> list[int]:
+    """Prompt number ``i``: no two numbers give the same prompt."""
+    return [i % 30_000 + 1, i // 30_000 + 1, *range(1_000, 1_000 + length - 2)]
+
+
+def serve_distinct_prompts(engine: EngineCore, first: int, count: int, length: int = 8) -> None:
+    """Run prompts ``first .. first + count - 1`` to completion, a batch at a time."""
+    params = SamplingParams(max_tokens=1)  # shared: the engine only reads it
+    batch = engine.config.max_num_seqs
+    for start in range(first, first + count, batch):
+        for i in range(start, min(start + batch, first + count)):
+            prompt = distinct_prompt(i, length)
+            engine.add_request(
+                EngineCoreRequest.for_tokens(prompt, request_id=f"p{i}", sampling_params=params)
+            )
+        while engine.can_step:
+            engine.step()
+
+
+def test_the_prefix_cache_holds_at_most_the_kv_blocks_the_engine_reports() -> None:
+    engine = engine_with(max_num_seqs=64, max_model_len=256)
+    blocks = engine.ready_response().num_gpu_blocks  # 64 * 256 / 16 = 1024
+    assert engine.prefix_cache.capacity_blocks == blocks
+    serve_distinct_prompts(engine, 0, 50_000)
+    # An 8-token prompt takes one block: the cache is full, and no fuller.
+    assert engine.prefix_cache.blocks_used == blocks
+    assert len(engine.prefix_cache) == blocks
+    assert distinct_prompt(49_999) in engine.prefix_cache
+    assert distinct_prompt(0) not in engine.prefix_cache
+
+
+@pytest.mark.slow
+def test_serving_50000_distinct_prompts_keeps_the_engine_memory_flat() -> None:
+    engine = engine_with(max_num_seqs=64, max_model_len=256)
+    tracemalloc.start()
+    try:
+        serve_distinct_prompts(engine, 0, 2_000, length=24)  # fills the 1024-block cache
+        gc.collect()
+        warm, _ = tracemalloc.get_traced_memory()
+        serve_distinct_prompts(engine, 2_000, 50_000, length=24)
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Keeping every prompt (24 tokens) cost about 1 KiB each: 48 MiB here.
+    assert after - warm < 64 * 1024
+
+
+def test_the_prefix_cache_evicts_the_least_recently_used_prompt_first() -> None:
+    engine = engine_with(max_num_seqs=1, max_model_len=48)  # room for 3 blocks of 16
+    assert engine.prefix_cache.capacity_blocks == 3
+    a, b, c, d = [7], [8], [9], [10]
+    long_prompt = list(range(100, 117))  # 17 tokens: two blocks
+    for n, prompt in enumerate([a, b, c, a, d]):  # a is used again before d comes
+        engine.add_request(req(f"r{n}", prompt, max_tokens=1))
+        run_to_completion(engine)
+    assert [p in engine.prefix_cache for p in (a, b, c, d)] == [True, False, True, True]
+    engine.add_request(req("long", long_prompt, max_tokens=1))
+    run_to_completion(engine)
+    assert [p in engine.prefix_cache for p in (a, c, d)] == [False, False, True]
+    assert long_prompt in engine.prefix_cache
+    assert engine.prefix_cache.blocks_used == 3
+
+
+def test_reset_prefix_cache_sleep_level_2_and_pause_empty_the_prefix_cache() -> None:
+    engine = engine_with()
+
+    def cache_after(method: str, *args: Any) -> int:
+        engine.add_request(req(f"before-{method}-{args}", [1, 2], max_tokens=1))
+        run_to_completion(engine)
+        assert len(engine.prefix_cache) == 1
+        assert result_of(engine, method, *args) is not False
+        return len(engine.prefix_cache)
+
+    assert cache_after("reset_prefix_cache") == 0
+    assert cache_after("sleep", 1) == 1
+    assert result_of(engine, "wake_up") is None
+    assert cache_after("sleep", 2) == 0
+    assert result_of(engine, "wake_up") is None
+    assert cache_after("pause_scheduler", "keep", False) == 1
+    assert result_of(engine, "resume_scheduler") is None
+    assert cache_after("pause_scheduler", "keep", True) == 0
 
 
 def test_profile_start_and_stop_must_alternate() -> None:

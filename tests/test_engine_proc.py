@@ -209,6 +209,37 @@ async def test_fault_injection_is_refused_unless_enabled() -> None:
             assert tokens_of((await peer.collect({"ok"}))["ok"]) == [2, 3]
 
 
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_an_engine_serving_20000_distinct_prompts_keeps_its_memory_flat() -> None:
+    async def serve(first: int, count: int) -> None:
+        for start in range(first, first + count, 500):
+            ids = {f"p{i}" for i in range(start, start + 500)}
+            for i in range(start, start + 500):
+                prompt = [i % 30_000 + 1, i // 30_000 + 1, *range(1_000, 1_030)]
+                await peer.add(make_request(f"p{i}", prompt, max_tokens=1))
+            await peer.collect(ids)
+
+    with trio.fail_after(60):
+        # 64 * 256 / 16 = 1024 KV blocks: the prefix cache fills up during the warm-up.
+        async with running_engine("--max-num-seqs", "64", "--max-model-len", "256") as peer:
+            assert peer.process is not None
+            await serve(0, 2_000)
+            warm = _rss_bytes(peer.process.pid)
+            await serve(2_000, 20_000)
+            after = _rss_bytes(peer.process.pid)
+    # Keeping every prompt (32 tokens) cost about 1.4 KiB each: 27 MiB here.
+    assert after - warm < 8 * 1024 * 1024
+
+
 def test_serve_help_explains_every_flag() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "trio_enginecore", "serve", "--help"],

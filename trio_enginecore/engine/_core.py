@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, Literal, TypeVar, get_type_hints
+from typing import Any, Final, Literal, TypeVar, cast, get_type_hints
 
 import msgspec
 import numpy as np
@@ -40,11 +40,13 @@ from ..protocol import (
 )
 from ._models import Model, make_model
 
-__all__ = ["EngineCore", "FatalEngineError", "PauseMode", "utility"]
+__all__ = ["EngineCore", "FatalEngineError", "PauseMode", "PrefixCache", "utility"]
 
 logger = logging.getLogger("trio_enginecore.engine")
 
 VLLM_COMPAT_VERSION: Final = "0.33.0"
+BLOCK_SIZE: Final = 16
+"""Tokens per KV-cache block, as reported in the ready response."""
 PauseMode = Literal["abort", "wait", "keep"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -140,6 +142,87 @@ class _Request:
         return events
 
 
+def num_gpu_blocks(config: EngineConfig) -> int:
+    """The KV-cache blocks the engine has: room for ``max_num_seqs`` full-length requests."""
+    return config.max_num_seqs * config.max_model_len // BLOCK_SIZE
+
+
+class PrefixCache:
+    """The reference engine's stand-in for vLLM's prefix cache, bounded like the real one.
+
+    vLLM keeps the KV blocks of past prompts for reuse until it needs the blocks for
+    something else; the reference engine computes no KV, so it only records which
+    prompts it would hold. Each prompt is one entry: a hash of its token ids (never
+    the tokens) and the number of blocks its KV takes. The entries together take at
+    most ``capacity_blocks`` blocks; a new prompt evicts the least recently used ones
+    until it fits, and a prompt seen again becomes the most recently used. Memory is
+    therefore bounded by the engine's configuration, however many prompts it serves.
+
+    Args:
+        capacity_blocks: how many blocks the entries may take in all.
+        block_size: tokens per block.
+    """
+
+    __slots__ = ("_blocks_used", "_entries", "block_size", "capacity_blocks")
+
+    def __init__(self, capacity_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        if capacity_blocks < 0 or block_size < 1:
+            raise ValueError(
+                f"need capacity_blocks >= 0 and block_size >= 1, got {capacity_blocks} "
+                f"and {block_size}"
+            )
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self._entries: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._blocks_used = 0
+
+    @property
+    def blocks_used(self) -> int:
+        """Blocks taken by the prompts held."""
+        return self._blocks_used
+
+    def __len__(self) -> int:
+        """How many prompts are held."""
+        return len(self._entries)
+
+    def __contains__(self, prompt: object) -> bool:
+        """Whether this prompt (a sequence of token ids) is held. Does not count as a use."""
+        if not isinstance(prompt, Sequence):
+            return False
+        return _prompt_key(cast("Sequence[object]", prompt)) in self._entries
+
+    def add(self, prompt: Sequence[int]) -> None:
+        """Record that a prompt was computed: held (again) as the most recently used.
+
+        A prompt too long for the whole cache is not held.
+        """
+        key = _prompt_key(prompt)
+        entries = self._entries
+        if key in entries:
+            entries.move_to_end(key)
+            return
+        blocks = -(-len(prompt) // self.block_size)
+        if blocks > self.capacity_blocks:
+            return
+        self._blocks_used += blocks
+        entries[key] = blocks
+        while self._blocks_used > self.capacity_blocks:
+            _, evicted = entries.popitem(last=False)
+            self._blocks_used -= evicted
+
+    def clear(self) -> None:
+        """Drop every prompt."""
+        self._entries.clear()
+        self._blocks_used = 0
+
+
+def _prompt_key(prompt: Sequence[object]) -> int:
+    # Python's tuple-of-int hash is 64 bits and the same in every process (no hash
+    # randomisation for ints), which is all a stand-in needs: a collision only makes
+    # two prompts share an entry.
+    return hash(tuple(prompt))
+
+
 class EngineCore:
     """The scheduler and utility methods of the reference engine.
 
@@ -181,7 +264,8 @@ class EngineCore:
         self._pinned_loras: set[int] = set()
         self._weight_version: str | None = None
         self._profiling = False
-        self._prefix_cache: set[tuple[int, ...]] = set()
+        self.prefix_cache = PrefixCache(num_gpu_blocks(config))
+        """The prompts whose KV the engine would keep for reuse (see :class:`PrefixCache`)."""
         self._step_counter = 0
         self._fault_requested = False
         self._instance_id = f"trio-enginecore-{uuid.uuid4().hex[:12]}"
@@ -357,7 +441,7 @@ class EngineCore:
             state = self._waiting.popleft()
             state.state = _State.RUNNING
             self._running[state.request_id] = state
-            self._prefix_cache.add(tuple(state.token_ids[: state.prompt_len]))
+            self.prefix_cache.add(state.token_ids[: state.prompt_len])
             if self.config.log_stats:
                 state.add_event(EngineCoreEventType.SCHEDULED, now)
 
@@ -500,7 +584,7 @@ class EngineCore:
         self._sleep_level = level
         if level == 2:
             # Level 2 discards weights in vLLM; our closest analogue is the cache.
-            self._prefix_cache.clear()
+            self.prefix_cache.clear()
 
     @utility
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -515,7 +599,7 @@ class EngineCore:
         """Clear the prefix cache; False (nothing done) while requests are running."""
         if self._running and not reset_running_requests:
             return False
-        self._prefix_cache.clear()
+        self.prefix_cache.clear()
         return True
 
     @utility
@@ -597,7 +681,7 @@ class EngineCore:
             return _DEFERRED
         self._paused = True
         if clear_cache:
-            self._prefix_cache.clear()
+            self.prefix_cache.clear()
         return None
 
     def _finish_pause_if_drained(self) -> None:
@@ -639,11 +723,10 @@ class EngineCore:
     def ready_response(self) -> EngineCoreReadyResponse:
         """What the engine sends first on each input socket."""
         config = self.config
-        block_size = 16
         return EngineCoreReadyResponse(
             max_model_len=config.max_model_len,
-            num_gpu_blocks=config.max_num_seqs * config.max_model_len // block_size,
-            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks(config),
+            block_size=BLOCK_SIZE,
             dp_stats_address=None,
             dtype="float32",
             vllm_version=VLLM_COMPAT_VERSION,

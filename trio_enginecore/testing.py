@@ -131,8 +131,15 @@ class FakeEngine:
         return self._client._playing if self._client is not None else 0  # pyright: ignore[reportPrivateUsage]
 
     def response_for(self, request: EngineCoreRequest) -> ScriptedResponse:
-        """The scripted response, or the counter-style default."""
+        """The scripted response, or the counter-style default.
+
+        Scripts are found by the id the caller gave (``external_req_id`` when the
+        client sent the request under an id of its own, as it does for an id reused
+        right after an abort).
+        """
         scripted = self._scripts.get(request.request_id)
+        if scripted is None and request.external_req_id is not None:
+            scripted = self._scripts.get(request.external_req_id)
         if scripted is not None:
             return scripted
         params = request.sampling_params
@@ -214,7 +221,7 @@ class FakeEngineClient(TrioClientBase):
 
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.engine.aborted.append(request_id)
+            self.engine.aborted.append(self._user_ids.get(request_id, request_id))
             scope = self._plays.get(request_id)
             if scope is not None:
                 scope.cancel()

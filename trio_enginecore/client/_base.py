@@ -23,7 +23,7 @@ import msgspec
 import trio
 
 from ..config import EngineConfig
-from ..errors import EngineDeadError, ProtocolError, UtilityCallError
+from ..errors import EngineCoreError, EngineDeadError, ProtocolError, UtilityCallError
 from ..protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -46,6 +46,10 @@ logger = logging.getLogger("trio_enginecore.client")
 T = TypeVar("T")
 
 _NOTIFICATION_CALL_IDS: Final = (-1, -2)
+
+MAX_TOMBSTONES: Final = 10_000
+"""How many aborted request ids a client remembers (see ``abort_requests``). By the
+time an id falls out, its engine read the ABORT long ago."""
 
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -70,9 +74,15 @@ class ClientStatistics:
     tokens_received: int
     """New token ids in those outputs."""
     protocol_errors: int
-    """Output messages dropped because they could not be decoded."""
+    """Engine messages (or parts of them) dropped because they broke the protocol:
+    undecodable, from an engine this client does not have, or outputs of one request
+    that cannot be merged."""
     engines_alive: int
     """Engines that have neither died nor been shut down."""
+    outputs_dropped: int = 0
+    """Outputs dropped because no request of theirs was in flight: late outputs of an
+    aborted request (normal), and outputs an engine should not have sent (for an
+    unknown id, a second finish, after the finish)."""
 
 
 class AsyncEngineCoreClient(abc.ABC):
@@ -220,6 +230,20 @@ class _UtilityCall:
     failure: str | None = None
 
 
+@final
+class _IdsInFlight:
+    """The caller's ids of the requests in flight (a view, for ``in`` tests)."""
+
+    __slots__ = ("_inflight", "_wire_ids")
+
+    def __init__(self, inflight: dict[str, EngineHandle], wire_ids: dict[str, str]) -> None:
+        self._inflight = inflight
+        self._wire_ids = wire_ids
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._inflight or request_id in self._wire_ids
+
+
 class TrioClientBase(AsyncEngineCoreClient):
     """The transport-independent part of the Trio clients (see the module docstring)."""
 
@@ -249,6 +273,15 @@ class TrioClientBase(AsyncEngineCoreClient):
         self._tokens = 0
         self._batched_outputs = 0
         self._protocol_errors = 0
+        self._outputs_dropped = 0
+        # Ids whose request was aborted while the engine may still be producing for
+        # it, most recent last. Reusing one sends the new request under a fresh wire
+        # id, so the old request's late outputs cannot be mistaken for the new one's.
+        self._tombstones: dict[str, None] = {}
+        # The requests in flight under such a wire id: user id -> wire id, and back.
+        self._wire_ids: dict[str, str] = {}
+        self._user_ids: dict[str, str] = {}
+        self._ids_in_flight = _IdsInFlight(self._inflight, self._wire_ids)
 
     # ------------------------------------------------------- transport hooks
 
@@ -300,6 +333,7 @@ class TrioClientBase(AsyncEngineCoreClient):
             tokens_received=self._tokens,
             protocol_errors=self._protocol_errors,
             engines_alive=sum(1 for e in self._engines if e.alive),
+            outputs_dropped=self._outputs_dropped,
         )
 
     # ------------------------------------------------------------ batch API
@@ -339,22 +373,19 @@ class TrioClientBase(AsyncEngineCoreClient):
         await trio.lowlevel.checkpoint_if_cancelled()
         self._raise_if_unusable()
         batch = list(requests)
-        check_requests(batch, self._inflight)
-        pending = list(batch)
-        while pending:
-            request = pending[0]
+        check_requests(batch, self._ids_in_flight)
+        for index, request in enumerate(batch):
             engine = self._engine_for(request)
             request.client_index = self.client_index
-            self._track(request.request_id, engine)
+            wire = self._register(request, engine, stream=None)
             try:
-                self._transport_add_nowait(engine, request)
+                self._transport_add_nowait(engine, wire)
             except trio.WouldBlock:
                 # Not with the unbounded queues the clients use; go the slow way.
-                self._forget(request.request_id)
-                for rest in pending:
+                self._forget(wire.request_id)
+                for rest in batch[index:]:
                     await self._send_add(rest, streamed=False)
                 return
-            pending.pop(0)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def get_output(self) -> EngineCoreOutputs:
@@ -369,26 +400,30 @@ class TrioClientBase(AsyncEngineCoreClient):
             EngineDeadError: the engine died and no output is pending.
             trio.ClosedResourceError: the client was closed.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        waited = False
+        # The checkpoint comes first and nothing can intervene between taking the
+        # message and returning it: an abort_requests() that returned before this
+        # returns has already removed its requests' outputs from what is taken.
+        await trio.lowlevel.checkpoint()
         while True:
             outputs = self._batches.take()
             if outputs is not None:
-                break
+                return outputs
             self._raise_if_unusable()
             await self._batch_event.wait()
-            waited = True
-        if not waited:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        return outputs
 
     async def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests on the engines that have them. Unknown ids are ignored.
 
         The engine sends no output for a request it aborts on our behalf, and outputs
-        already received for it are dropped: after this returns, ``get_output()`` never
-        returns an output of these requests. A stream of an aborted request ends with a
+        already received for it are dropped (those of a request that finished but
+        whose outputs ``get_output()`` has not returned yet too): after this returns,
+        ``get_output()`` never returns an output of these requests. A stream of an aborted request ends with a
         local ``FinishReason.ABORT`` output.
+
+        An aborted request's id may be used again at once: the new request then goes
+        to the engine under a fresh internal id (its ``external_req_id`` is yours), so
+        the old request's late outputs are told apart and dropped; outputs reach you
+        with your id.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._abort_now(request_ids)
@@ -428,20 +463,17 @@ class TrioClientBase(AsyncEngineCoreClient):
         finally:
             self._open_streams -= 1
             stream._close()  # pyright: ignore[reportPrivateUsage]
-            if request.request_id in self._inflight and not stream.finished:
-                with trio.CancelScope(shield=True):
-                    with trio.move_on_after(self.abort_timeout_s):
-                        await self.abort_requests([request.request_id])
+            if self._streams.get(stream.wire_id) is stream and not stream.finished:
+                # Synchronous: an exit by cancellation cannot skip it.
+                self._abort_wire([stream.wire_id])
 
     def _stream_closed(self, stream: RequestStream) -> None:
         # While the request is in flight the stream stays registered, so that its
         # late outputs reach the (closed) stream and are dropped there instead of
         # leaking into get_output(); finishing or aborting unregisters it.
-        if (
-            self._streams.get(stream.request_id) is stream
-            and stream.request_id not in self._inflight
-        ):
-            del self._streams[stream.request_id]
+        wire = stream.wire_id
+        if self._streams.get(wire) is stream and wire not in self._inflight:
+            del self._streams[wire]
 
     # ------------------------------------------------------------- utilities
 
@@ -548,54 +580,112 @@ class TrioClientBase(AsyncEngineCoreClient):
         check_request(request)
         self._raise_if_unusable()
         request_id = request.request_id
-        if request_id in self._inflight:
+        if request_id in self._ids_in_flight:
             raise ValueError(f"request {request_id!r} is already in flight on this client")
-        stream = RequestStream(request_id, on_close=self._stream_closed) if streamed else None
         engine = self._engine_for(request)
         request.client_index = self.client_index
+        stream = RequestStream(request_id, on_close=self._stream_closed) if streamed else None
         # Register before sending: the reply may be received before send returns.
-        self._track(request_id, engine)
-        if stream is not None:
-            self._streams[request_id] = stream
+        wire = self._register(request, engine, stream=stream)
         try:
-            await self._transport_add(engine, request)
+            await self._transport_add(engine, wire)
         except BaseException:
-            self._forget(request_id)
-            if stream is not None:
-                self._streams.pop(request_id, None)
+            self._forget(wire.request_id)
             raise
         return stream
 
-    def _track(self, request_id: str, engine: EngineHandle) -> None:
-        self._inflight[request_id] = engine
-        engine.load.in_flight += 1
+    def _register(
+        self, request: EngineCoreRequest, engine: EngineHandle, *, stream: RequestStream | None
+    ) -> EngineCoreRequest:
+        """Record ``request`` as in flight on ``engine``; the request to send.
 
-    def _forget(self, request_id: str) -> None:
-        engine = self._inflight.pop(request_id, None)
+        That is ``request`` itself, or, for an id whose aborted request the engine may
+        still be producing for, a copy under a fresh wire id (the caller's object is
+        not changed, so its ``request_id`` stays what the caller gave).
+        """
+        user_id = request.request_id
+        wire = request
+        if user_id in self._tombstones:
+            wire_id = f"{user_id}~{secrets.token_hex(4)}"
+            while wire_id in self._inflight:
+                wire_id = f"{user_id}~{secrets.token_hex(4)}"
+            wire = msgspec.structs.replace(
+                request, request_id=wire_id, external_req_id=request.external_req_id or user_id
+            )
+            self._wire_ids[user_id] = wire_id
+            self._user_ids[wire_id] = user_id
+        self._inflight[wire.request_id] = engine
+        engine.load.in_flight += 1
+        if stream is not None:
+            stream.wire_id = wire.request_id
+            self._streams[wire.request_id] = stream
+        return wire
+
+    def _forget(self, wire_id: str) -> None:
+        engine = self._inflight.pop(wire_id, None)
         if engine is not None:
             engine.load.in_flight -= 1
+        self._streams.pop(wire_id, None)
+        user_id = self._user_ids.pop(wire_id, None)
+        if user_id is not None:
+            del self._wire_ids[user_id]
 
     def _abort_now(self, request_ids: Iterable[str]) -> None:
+        """Abort requests by the caller's ids (see :meth:`abort_requests`)."""
+        ids = list(request_ids)
+        wire_ids = self._wire_ids
+        self._abort_wire([wire_ids.get(request_id, request_id) for request_id in ids])
+        if len(self._batches):
+            # Outputs received before the abort must not surface after it, those of a
+            # request that finished meanwhile included (they carry the caller's ids).
+            self._batches.discard(set(ids))
+
+    def _abort_wire(self, wire_ids: list[str]) -> None:
         by_engine: dict[int, tuple[EngineHandle, list[str]]] = {}
-        for request_id in request_ids:
-            engine = self._inflight.get(request_id)
+        for wire_id in wire_ids:
+            engine = self._inflight.get(wire_id)
             if engine is not None:
-                by_engine.setdefault(engine.rank, (engine, []))[1].append(request_id)
+                by_engine.setdefault(engine.rank, (engine, []))[1].append(wire_id)
         for engine, ids in by_engine.values():
-            if engine.alive and not self._closed:
+            live = engine.alive and not self._closed
+            if live:
                 self._transport_abort(engine, ids)
-            for request_id in ids:
-                self._forget(request_id)
-                stream = self._streams.pop(request_id, None)
+            for wire_id in ids:
+                if live:
+                    self._bury(self._user_ids.get(wire_id, wire_id))
+                stream = self._streams.get(wire_id)
+                self._forget(wire_id)
                 if stream is not None:
                     stream._abort_locally()  # pyright: ignore[reportPrivateUsage]
-            if len(self._batches):
-                # Outputs received before the abort must not surface after it.
-                self._batches.discard(set(ids))
+
+    def _bury(self, user_id: str) -> None:
+        tombstones = self._tombstones
+        tombstones.pop(user_id, None)
+        tombstones[user_id] = None
+        if len(tombstones) > MAX_TOMBSTONES:
+            # The oldest: its engine read the ABORT long ago.
+            del tombstones[next(iter(tombstones))]
 
     def _handle_outputs(self, message: EngineCoreOutputs) -> None:
         """Route one decoded engine message. Synchronous: call it with no checkpoint
-        between receiving the message and handing it over."""
+        between receiving the message and handing it over.
+
+        An engine's message is checked for consistency as it is routed, never
+        trusted: a message from an engine this client does not have is dropped whole
+        (``protocol_errors``), an output of a request not in flight (late after an
+        abort, for an unknown id, a second finish, after the finish) is dropped
+        (``outputs_dropped``), and outputs of a stream that cannot be merged fail that
+        stream with :class:`~trio_enginecore.errors.ProtocolError` and abort its
+        request. Every other request is served on.
+        """
+        if not self._known_engine(message.engine_index):
+            self._protocol_errors += 1
+            logger.error(
+                "dropping a message from engine index %r: this client has engines %s",
+                message.engine_index,
+                [engine.rank for engine in self._engines],
+            )
+            return
         self._messages += 1
         if message.utility_output is not None:
             self._resolve_utility(message.utility_output)
@@ -605,13 +695,19 @@ class TrioClientBase(AsyncEngineCoreClient):
         inflight = self._inflight
         self._outputs_received += len(outputs)
         self._tokens += sum([len(output.new_token_ids) for output in outputs])
-        if not self._streams and all([o.request_id in inflight for o in outputs]):  # noqa: C419 - a list is faster here
+        batch = None
+        if not self._streams and not self._user_ids:
             # The batch API's hot path: the whole message goes to get_output() as it is,
-            # with the per-output work done in comprehensions rather than one loop.
-            for request_id in [o.request_id for o in outputs if o.finish_reason is not None]:
-                inflight.pop(request_id).load.in_flight -= 1
-            batch = outputs
-        else:
+            # with the per-output work done in C-level set operations and
+            # comprehensions rather than one loop. It needs every output to be of a
+            # different request in flight; anything else takes the careful path.
+            ids = [output.request_id for output in outputs]
+            unique = set(ids)
+            if len(unique) == len(ids) and unique <= inflight.keys():
+                for request_id in [o.request_id for o in outputs if o.finish_reason is not None]:
+                    inflight.pop(request_id).load.in_flight -= 1
+                batch = outputs
+        if batch is None:
             batch = self._route_outputs(outputs)
         if batch or message.scheduler_stats is not None:
             if batch is not outputs:
@@ -620,25 +716,43 @@ class TrioClientBase(AsyncEngineCoreClient):
             self._batches.put(message)
             self._wake_batch_readers()
 
+    def _known_engine(self, engine_index: int) -> bool:
+        engines = self._engines
+        if len(engines) == 1:
+            return engines[0].rank == engine_index
+        return any(engine.rank == engine_index for engine in engines)
+
     def _route_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Hand stream outputs to their streams; return the ones for get_output()."""
         batch: list[EngineCoreOutput] = []
         inflight = self._inflight
         streams = self._streams
+        user_ids = self._user_ids
         for output in outputs:
-            request_id = output.request_id
-            if request_id not in inflight:
-                # Output of a request we aborted, produced before the abort arrived.
+            wire_id = output.request_id
+            if wire_id not in inflight:
+                # Produced before the engine read our ABORT (normal), or an output the
+                # engine should never have sent.
+                self._outputs_dropped += 1
                 continue
-            if output.finish_reason is not None:
-                inflight.pop(request_id).load.in_flight -= 1
-            stream = streams.get(request_id)
-            if stream is not None:
-                stream._push(output)  # pyright: ignore[reportPrivateUsage]
-                if output.finish_reason is not None:
-                    del streams[request_id]
-            else:
+            stream = streams.get(wire_id)
+            user_id = user_ids.get(wire_id)
+            if user_id is not None:
+                output.request_id = user_id
+            finished = output.finish_reason is not None
+            if finished:
+                self._forget(wire_id)
+            if stream is None:
                 batch.append(output)
+                continue
+            try:
+                stream._push(output)  # pyright: ignore[reportPrivateUsage]
+            except ProtocolError as exc:
+                self._protocol_errors += 1
+                logger.error("request %r: %s", stream.request_id, exc)
+                stream._fail(str(exc), ProtocolError)  # pyright: ignore[reportPrivateUsage]
+                if not finished:
+                    self._abort_wire([wire_id])
         return batch
 
     def _wake_batch_readers(self) -> None:
@@ -667,10 +781,10 @@ class TrioClientBase(AsyncEngineCoreClient):
         message = f"{engine.describe()} died: {reason}"
         if self._failure is None:
             self._failure = message
-        for request_id, owner in list(self._inflight.items()):
+        for wire_id, owner in list(self._inflight.items()):
             if owner is engine:
-                self._forget(request_id)
-                stream = self._streams.pop(request_id, None)
+                stream = self._streams.get(wire_id)
+                self._forget(wire_id)
                 if stream is not None:
                     stream._fail(message)  # pyright: ignore[reportPrivateUsage]
         for call in self._calls.values():
@@ -684,7 +798,7 @@ class TrioClientBase(AsyncEngineCoreClient):
         """Part of closing: abort what is in flight and wake every waiter."""
         self._closing = True
         if self._inflight:
-            self._abort_now(list(self._inflight))
+            self._abort_wire(list(self._inflight))
         for stream in list(self._streams.values()):
             stream._fail("the engine client was closed")  # pyright: ignore[reportPrivateUsage]
         for call in self._calls.values():
@@ -696,8 +810,7 @@ class TrioClientBase(AsyncEngineCoreClient):
 C = TypeVar("C", bound=TrioClientBase)
 
 
-def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one exception in a (nested) group, or None if there are several."""
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     leaves: list[BaseException] = []
     pending: collections.deque[BaseException] = collections.deque([group])
     while pending:
@@ -706,7 +819,18 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
             pending.extend(error.exceptions)  # pyright: ignore[reportUnknownArgumentType, reportUnknownMemberType]
         else:
             leaves.append(error)
+    return leaves
+
+
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception in a (nested) group, or None if there are several."""
+    leaves = _leaves(group)
     return leaves[0] if len(leaves) == 1 else None
+
+
+def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The first exception in a (nested) group that is not a cancellation."""
+    return next((e for e in _leaves(group) if not isinstance(e, trio.Cancelled)), None)
 
 
 @asynccontextmanager
@@ -719,8 +843,10 @@ async def run_client(
     client is closed (shielded) and its background tasks cancelled. The block's own
     exception, or ``Cancelled``, propagates as itself (identity, ``__context__`` and
     ``__cause__`` untouched); a startup failure propagates as itself; an engine death
-    during a block that did not raise becomes one :class:`EngineDeadError`; an
-    ExceptionGroup never escapes.
+    during a block that did not raise becomes one :class:`EngineDeadError`; a failure
+    of a background task (a bug: they handle bad input themselves) raises one
+    :class:`~trio_enginecore.errors.EngineCoreError` chained from it, in place of the
+    ``Cancelled`` it caused in the block; an ExceptionGroup never escapes.
     """
     user_error: BaseException | None = None
     startup_error: BaseException | None = None
@@ -746,6 +872,15 @@ async def run_client(
     # Raised outside any `except` block so the exception keeps its own __context__ and
     # __cause__: the caller's exception comes back exactly as it was.
     error = user_error or startup_error
+    failure = _first_failure(background) if background is not None else None
+    if failure is not None and (error is None or isinstance(error, trio.Cancelled)):
+        # A background task failed, and the nursery cancelled the block because of it:
+        # the failure is the news, not the Cancelled it caused.
+        if isinstance(failure, EngineCoreError):
+            raise failure
+        raise EngineCoreError(
+            f"the engine client failed in its background task: {failure!r}"
+        ) from failure
     if error is None and background is not None:
         error = _single(background)
         if error is None:

@@ -15,13 +15,22 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import ProtocolError
 from ..protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
 
 __all__ = ["BatchCollector", "merge_outputs"]
 
 
 def _concat(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    return np.concatenate((a, b), axis=0)
+    try:
+        return np.concatenate((a, b), axis=0)
+    except (ValueError, TypeError) as exc:
+        # Each array decoded fine, but together they make no sense: the engine's
+        # fault, reported as such.
+        raise ProtocolError(
+            f"the engine sent logprob arrays that cannot follow each other "
+            f"(shapes {a.shape} and {b.shape}, dtypes {a.dtype} and {b.dtype}): {exc}"
+        ) from exc
 
 
 def _merge_logprobs(a: LogprobsLists | None, b: LogprobsLists | None) -> LogprobsLists | None:
@@ -42,9 +51,14 @@ def merge_outputs(older: EngineCoreOutput, newer: EngineCoreOutput) -> EngineCor
     reason, stop reason and error are the newer ones; other per-step fields keep the
     newest value that was set. ``older`` is updated in place and returned, so merging
     a long run of deltas costs amortised O(new tokens).
+
+    Raises:
+        ProtocolError: the two cannot be merged (logprob arrays of shapes that cannot
+            be concatenated); ``older`` is then unchanged.
     """
+    logprobs = _merge_logprobs(older.new_logprobs, newer.new_logprobs)
     older.new_token_ids.extend(newer.new_token_ids)
-    older.new_logprobs = _merge_logprobs(older.new_logprobs, newer.new_logprobs)
+    older.new_logprobs = logprobs
     if newer.events:
         older.events = [*(older.events or ()), *newer.events]
     older.num_nans_in_logits += newer.num_nans_in_logits
@@ -92,9 +106,10 @@ class BatchCollector:
     single message (outputs in arrival order; the latest scheduler stats, wave and
     weight-version fields kept), so catching up costs one call, not one per message.
     Past ``max_pending`` messages, new ones are folded into the newest pending message
-    of the same engine as they arrive, so the number of message objects held stays
-    bounded; the outputs themselves are bounded only by what the engine produced and
-    nobody consumed yet.
+    of the same engine as they arrive, so at most ``max_pending`` plus one per engine
+    message objects are held (the client only puts messages of its own engines here);
+    the outputs themselves are bounded only by what the engine produced and nobody
+    consumed yet.
     """
 
     def __init__(self, max_pending: int = 64) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, final
 import msgspec
 import trio
 
-from ..errors import EngineDeadError, RequestFailedError
+from ..errors import EngineCoreError, EngineDeadError, RequestFailedError
 from ..protocol import EngineCoreOutput, FinishReason, RequestError
 from ._collector import merge_outputs
 
@@ -40,11 +40,16 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
 
     def __init__(self, request_id: str, *, on_close: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
+        """The request's id, as the caller gave it."""
+        self.wire_id = request_id
+        """The id the request travels under: ``request_id``, or a fresh one when the
+        caller reused the id of a request aborted moments before."""
         self._on_close = on_close
         self._pending: EngineCoreOutput | None = None
         self._finished_received = False
         self._finished_delivered = False
         self._failure: str | None = None
+        self._failure_type: type[EngineCoreError] = EngineDeadError
         self._request_error: RequestError | None = None
         self._closed = False
         self._event: trio.Event | None = None
@@ -57,24 +62,29 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
         """Hand over one output (called by the receive task; never blocks)."""
         if self._finished_received or self._closed:
             return
-        self.tokens_received += len(output.new_token_ids)
         if self._pending is None:
             self._pending = output
         else:
             merge_outputs(self._pending, output)
+        self.tokens_received += len(output.new_token_ids)
         if output.finish_reason is not None:
             self._finished_received = True
         self._wake()
 
-    def _fail(self, reason: str) -> None:
-        """The engine serving this request died."""
+    def _fail(self, reason: str, error_type: type[EngineCoreError] = EngineDeadError) -> None:
+        """The request cannot go on: its engine died (or sent what cannot be used).
+
+        The outputs already pending are still delivered; then ``receive`` raises
+        ``error_type(reason)``.
+        """
         if self._failure is None and not self._finished_received:
             self._failure = reason
+            self._failure_type = error_type
             self._wake()
 
     def _abort_locally(self) -> None:
         """The request was aborted by the client: end the stream with an ABORT output."""
-        if not self._finished_received:
+        if not self._finished_received and self._failure is None:
             self._push(EngineCoreOutput(self.request_id, [], finish_reason=FinishReason.ABORT))
 
     def _wake(self) -> None:
@@ -96,13 +106,16 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
             trio.EndOfChannel: the finished output was already delivered. Not an error.
             RequestFailedError: the engine finished the request with an error.
             EngineDeadError: the engine died before the request finished.
+            ProtocolError: the engine sent outputs for this request that cannot be
+                used (the request was aborted); other requests are not affected.
             trio.ClosedResourceError: the stream was closed.
             trio.BusyResourceError: another task is already receiving on this stream.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
+        # The checkpoint comes first, and nothing can intervene between taking an
+        # output and returning it: a cancelled receive has taken nothing.
+        await trio.lowlevel.checkpoint()
         if self._receiving:
             raise trio.BusyResourceError("another task is already receiving on this stream")
-        waited = False
         self._receiving = True
         try:
             while self._pending is None:
@@ -113,10 +126,9 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
                 if self._finished_delivered:
                     raise trio.EndOfChannel
                 if self._failure is not None:
-                    raise EngineDeadError(self._failure)
+                    raise self._failure_type(self._failure)
                 event = self._event = trio.Event()
                 await event.wait()
-                waited = True
         finally:
             self._receiving = False
         output, self._pending = self._pending, None
@@ -131,8 +143,6 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
                 output = msgspec.structs.replace(
                     output, finish_reason=None, stop_reason=None, error=None
                 )
-        if not waited:
-            await trio.lowlevel.cancel_shielded_checkpoint()
         return output
 
     def _request_failed(self) -> RequestFailedError:

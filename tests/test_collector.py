@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from trio_enginecore.client import BatchCollector, merge_outputs
+from trio_enginecore.errors import ProtocolError
 from trio_enginecore.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -129,6 +130,19 @@ def test_merge_concatenates_logprobs_along_the_token_axis() -> None:
     assert merged.new_logprobs is not None
     assert merged.new_logprobs.logprobs.shape == (3, TOP + 1)
     assert merged.new_logprobs.sampled_token_ranks.shape == (3,)
+
+
+def test_logprobs_that_cannot_follow_each_other_raise_and_leave_the_older_unchanged() -> None:
+    older = output(1, 2, new_logprobs=logprobs_for([1, 2]))
+    wider = LogprobsLists(
+        np.zeros((1, TOP + 5), dtype=np.int64),
+        np.zeros((1, TOP + 5), dtype=np.float32),
+        np.zeros(1, dtype=np.int64),
+    )
+    with pytest.raises(ProtocolError, match="cannot follow each other"):
+        merge_outputs(older, output(3, new_logprobs=wider))
+    assert older.new_token_ids == [1, 2]
+    assert_logprobs(older.new_logprobs, [1, 2])
 
 
 @pytest.mark.parametrize("side", ["older", "newer", "both"])

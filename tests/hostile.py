@@ -1,0 +1,222 @@
+"""A fake engine for testing the client against an engine that breaks the protocol.
+
+:class:`HostileEngine` is the engine side of the wire protocol done by hand with raw
+ZeroMQ sockets: it connects a DEALER (identity ``rank.to_bytes(2, "little")``) to the
+client's input ROUTER and a PUSH to the client's output PULL, sends the ready message
+a real engine sends, then reads what the client sends and sends back whatever a test
+crafts, consistent or not. :func:`attached_to_hostile_engine` opens a real
+``TrioMPClient`` attached to one.
+
+Nothing of the engine package runs here except :meth:`EngineCore.ready_response`,
+which supplies a well-formed ready message.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import numpy as np
+import trio
+import zmq
+
+from trio_enginecore import EngineConfig, TrioMPClient, open_engine_client
+from trio_enginecore._zmq import TrioSocket, make_socket
+from trio_enginecore.engine import EngineCore
+from trio_enginecore.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    LogprobsLists,
+    UtilityOutput,
+    UtilityRequest,
+    UtilityResult,
+)
+from trio_enginecore.serial import Buffer, MsgpackDecoder, MsgpackEncoder
+
+__all__ = [
+    "HostileEngine",
+    "attached_to_hostile_engine",
+    "fence",
+    "finished",
+    "logprobs",
+    "output",
+]
+
+_ADD: Final = EngineCoreRequestType.ADD.value
+_ABORT: Final = EngineCoreRequestType.ABORT.value
+_UTILITY: Final = EngineCoreRequestType.UTILITY.value
+
+
+def output(request_id: str, *tokens: int, **fields: Any) -> EngineCoreOutput:
+    """An unfinished output carrying ``tokens`` for ``request_id``."""
+    return EngineCoreOutput(request_id, list(tokens), **fields)
+
+
+def finished(request_id: str, *tokens: int, **fields: Any) -> EngineCoreOutput:
+    """The last output of ``request_id`` (finish reason LENGTH)."""
+    return EngineCoreOutput(request_id, list(tokens), finish_reason=FinishReason.LENGTH, **fields)
+
+
+def logprobs(rows: int, columns: int) -> LogprobsLists:
+    """Sampled-token logprobs for ``rows`` tokens with ``columns`` candidates each."""
+    return LogprobsLists(
+        np.zeros((rows, columns), dtype=np.int32),
+        np.zeros((rows, columns), dtype=np.float32),
+        np.zeros(rows, dtype=np.int32),
+    )
+
+
+class HostileEngine:
+    """The engine end of one client's sockets, driven by the test.
+
+    Requests the client sends are read with :meth:`expect_adds`, :meth:`expect_abort`
+    and :meth:`expect_utility`, which record everything they read on the way (other
+    ADDs, ABORTs, UTILITY calls), so a test never loses a message by waiting for
+    another kind. Messages are sent with :meth:`send` (well-formed, whatever they
+    say), :meth:`send_frames` (any frames at all) and :meth:`reply`.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context[Any], input_address: str, output_address: str, *, rank: int = 0
+    ) -> None:
+        self.rank = rank
+        self.dealer: TrioSocket = make_socket(ctx, zmq.DEALER, identity=rank.to_bytes(2, "little"))
+        self.push: TrioSocket = make_socket(ctx, zmq.PUSH)
+        self.dealer.connect(input_address)
+        self.push.connect(output_address)
+        self.encoder = MsgpackEncoder()
+        self._add_decoder = MsgpackDecoder(EngineCoreRequest)
+        self._abort_decoder = MsgpackDecoder(list[str])
+        self._utility_decoder = MsgpackDecoder(UtilityRequest)
+        self.added: dict[str, EngineCoreRequest] = {}
+        """Every ADD read so far, by request id."""
+        self.aborted: list[str] = []
+        """Every request id an ABORT named, in the order read."""
+        self.calls: list[UtilityRequest] = []
+        """UTILITY calls read and not yet taken by :meth:`expect_utility`."""
+
+    def close(self) -> None:
+        self.dealer.close()
+        self.push.close()
+
+    # ------------------------------------------------------------ the startup
+
+    async def send_ready(self) -> None:
+        """Send the ready message that lets the client's ROUTER route to this engine."""
+        config = EngineConfig(data_parallel_rank=self.rank, data_parallel_size=self.rank + 1)
+        await self.dealer.send_multipart(self.encoder.encode(EngineCore(config).ready_response()))
+
+    # ---------------------------------------------------- what the client sends
+
+    async def _read_one(self) -> None:
+        request_type, *payload = await self.dealer.recv_multipart()
+        if request_type == _ADD:
+            request = self._add_decoder.decode(payload)
+            self.added[request.request_id] = request
+        elif request_type == _ABORT:
+            self.aborted += self._abort_decoder.decode(payload)
+        elif request_type == _UTILITY:
+            self.calls.append(self._utility_decoder.decode(payload))
+        else:
+            raise AssertionError(f"unexpected request type {request_type!r}")
+
+    async def expect_adds(self, *request_ids: str) -> None:
+        """Read until the client has sent an ADD for each of these ids."""
+        while not set(request_ids) <= self.added.keys():
+            await self._read_one()
+
+    async def expect_abort(self, request_id: str) -> None:
+        """Read until the client has sent an ABORT naming this request."""
+        while request_id not in self.aborted:
+            await self._read_one()
+
+    async def expect_utility(self) -> UtilityRequest:
+        """The next UTILITY call the client sends."""
+        while not self.calls:
+            await self._read_one()
+        return self.calls.pop(0)
+
+    # -------------------------------------------------- what the engine sends
+
+    async def send(
+        self, *outputs: EngineCoreOutput, engine_index: int | None = None, **fields: Any
+    ) -> None:
+        """Send one message with these outputs (and any other EngineCoreOutputs fields)."""
+        index = self.rank if engine_index is None else engine_index
+        message = EngineCoreOutputs(engine_index=index, outputs=list(outputs), **fields)
+        await self.push.send_multipart(self.encoder.encode(message))
+
+    async def send_frames(self, frames: Sequence[Buffer]) -> None:
+        """Send these frames as one message, whatever they hold."""
+        await self.push.send_multipart(frames)
+
+    async def send_engine_core_dead(self) -> None:
+        await self.send_frames([ENGINE_CORE_DEAD])
+
+    async def reply(
+        self, call: UtilityRequest, result: Any = None, *, call_id: int | None = None
+    ) -> None:
+        """Answer a utility call (or, with ``call_id``, pretend to answer another one)."""
+        reply = UtilityOutput(
+            call.call_id if call_id is None else call_id, None, UtilityResult(result)
+        )
+        await self.send(utility_output=reply)
+
+
+@asynccontextmanager
+async def attached_to_hostile_engine(
+    *, max_pending_outputs: int = 64
+) -> AsyncGenerator[tuple[HostileEngine, TrioMPClient], None]:
+    """A real client attached (ipc:// in a temp dir) to a :class:`HostileEngine`.
+
+    Whatever the engine sends, the client's ``async with`` block must never end with an
+    ExceptionGroup or with a ``trio.Cancelled`` that no enclosing scope asked for
+    (a failed background task cancels the block): either is turned into an
+    AssertionError here, since a stray Cancelled would otherwise end the test quietly.
+    """
+    tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
+    input_address, output_address = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    ctx: zmq.Context[Any] = zmq.Context()
+    engine = HostileEngine(ctx, input_address, output_address)
+    try:
+        # Queued on the DEALER until the client binds its ROUTER.
+        await engine.send_ready()
+        try:
+            async with open_engine_client(
+                EngineConfig(),
+                input_address=input_address,
+                output_address=output_address,
+                ready_timeout_s=20,
+                max_pending_outputs=max_pending_outputs,
+            ) as client:
+                yield engine, client
+        except trio.Cancelled as cancelled:
+            if trio.current_effective_deadline() == -math.inf:
+                raise  # an enclosing scope was cancelled: not the client's doing
+            raise AssertionError("a bare trio.Cancelled escaped the client's block") from cancelled
+        except BaseExceptionGroup as group:
+            raise AssertionError("an ExceptionGroup escaped the client's block") from group
+    finally:
+        engine.close()
+        ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def fence(engine: HostileEngine, client: TrioMPClient) -> None:
+    """Return once the client has handled every message the engine sent before.
+
+    A utility call makes the round trip: the client sends it, the engine answers on the
+    output socket behind everything it sent earlier, and the client's receive task
+    handles messages in order.
+    """
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.call_utility, "fence")
+        await engine.reply(await engine.expect_utility())

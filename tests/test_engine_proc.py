@@ -253,6 +253,7 @@ def test_serve_help_explains_every_flag() -> None:
         "--handshake-address",
         "--headless",
         "--exit-with-parent",
+        "--lifeline-fd",
         "--handshake-timeout-s",
         "--model",
         "--rank",

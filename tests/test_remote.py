@@ -15,9 +15,11 @@ import sys
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import zmq
 
 from trio_enginecore import (
     CoordinatorAddresses,
@@ -38,6 +40,7 @@ from trio_enginecore._curve import (
     load_public_key,
     write_key_pair,
 )
+from trio_enginecore._zmq import TrioSocket
 from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.client._remote import connectable
@@ -365,6 +368,80 @@ async def test_a_refused_engine_stops_at_once_and_says_why(tmp_path: Path) -> No
             nursery.cancel_scope.cancel()
     assert result.returncode == 3
     assert b"refused this engine's CURVE key" in result.stderr
+
+
+async def reconnect_as_strangers(
+    address: str, server_key: bytes, keys: list[tuple[bytes, bytes]], refused: list[int]
+) -> None:
+    """Connect to ``address`` again and again, cycling through ``keys`` (none allowed),
+    as a stranger engine restarted each time it is refused would: one new connection
+    at a time, each refused by the client's ZAP handler (``refused`` counts them)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        while True:
+            public, secret = keys[refused[0] % len(keys)]
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                server_key, public, secret
+            )  # fmt: skip
+            monitor = TrioSocket(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH))
+            try:
+                sock.connect(address)
+                await monitor.recv_multipart()
+                refused[0] += 1
+            finally:
+                sock.disable_monitor()
+                monitor.close()
+                sock.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_refused_peer_that_keeps_reconnecting_is_counted_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal record stays bounded: a total, the most recent refusals and the
+    first distinct keys; the startup error names those keys and the count of others."""
+    import trio_enginecore.client._mp as mp
+
+    clients: list[TrioMPClient] = []
+    new_client = mp._new_client  # pyright: ignore[reportPrivateUsage]
+
+    def keep_client(*args: Any, **kwargs: Any) -> TrioMPClient:
+        clients.append(new_client(*args, **kwargs))
+        return clients[-1]
+
+    monkeypatch.setattr(mp, "_new_client", keep_client)
+    keys = Keys(tmp_path, engines=1)
+    server = keys.server()
+    strangers = [zmq.curve_keypair() for _ in range(12)]
+    address = f"tcp://127.0.0.1:{free_port()}"
+    refused = [0]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                reconnect_as_strangers, address, server.keys.public, strangers, refused
+            )
+            with pytest.raises(EngineStartupError) as caught:
+                async with open_engine_client(
+                    EngineConfig(), remote=RemoteEngines(address, curve=server), ready_timeout_s=3
+                ):
+                    pytest.fail("no engine with an allowed key joined")
+            nursery.cancel_scope.cancel()
+    (client,) = clients
+    record = client._refusals  # pyright: ignore[reportPrivateUsage]
+    assert record.total >= refused[0] - 1 > 100
+    assert len(record.recent) == record.keep == 16
+    kept = [public.decode() for public, _ in strangers[: record.keep_keys]]
+    assert list(record.keys) == kept
+    assert record.other_keys == record.total - sum(record.keys.values()) > 0
+    message = str(caught.value)
+    assert f"CURVE authentication refused {record.total} connection(s)" in message
+    for key in kept:
+        assert f"with public key {key}" in message
+    assert f"{record.other_keys} with other public keys" in message
+    assert strangers[-1][0].decode() not in message.split("most recently")[0]
 
 
 def test_liveness_settings_are_validated() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Literal, cast
@@ -27,7 +28,8 @@ SIGTERM or SIGINT drains: new requests are refused, in-flight ones may finish fo
 signal stops at once. Exit codes: 0 drained, 1 fatal engine error (after sending
 ENGINE_CORE_DEAD to the clients), 2 bad command line or an address ZeroMQ cannot use
 (malformed, unknown transport; one line on stderr), 3 startup failed (no handshake
-reply, the coordinator never ready, ...).
+reply, the coordinator never ready, ...), 4 the client that launched this engine is
+gone (--lifeline-fd or --exit-with-parent; stopped at once, nothing drained).
 """
 
 _COORDINATOR_DESCRIPTION = """\
@@ -58,6 +60,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _fd_number(text: str) -> int:
+    """An argparse type: the number of a file descriptor this process has open."""
+    try:
+        fd = int(text)
+    except ValueError:
+        message = f"expected a file descriptor number, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    try:
+        os.fstat(fd)
+    except (OSError, OverflowError, ValueError):
+        raise argparse.ArgumentTypeError(f"{fd} is not an open file descriptor") from None
+    return fd
 
 
 def _key_pair_name(text: str) -> str:
@@ -127,8 +143,16 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--exit-with-parent",
         action="store_true",
-        help="stop when the process that started this engine exits (set by clients that "
-        "launch engines, so that a killed client leaves no orphan engine)",
+        help="stop when the process that started this engine exits (checked twice a "
+        "second, from the end of the imports on; for engines started by hand)",
+    )
+    where.add_argument(
+        "--lifeline-fd",
+        type=_fd_number,
+        metavar="FD",
+        help="the read end of a pipe whose write end the launching process keeps open: "
+        "stop at once when it reads end-of-file, i.e. when that process is gone, however "
+        "it died (clients that launch engines pass it; checked before the handshake)",
     )
     where.add_argument(
         "--handshake-timeout-s",
@@ -440,6 +464,7 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         headless=args.headless,
         handshake_timeout_s=args.handshake_timeout_s,
         exit_with_parent=args.exit_with_parent,
+        lifeline_fd=args.lifeline_fd,
         curve=curve,
     )
 

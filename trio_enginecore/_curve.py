@@ -13,6 +13,7 @@ writes them.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -32,6 +33,7 @@ __all__ = [
     "CurveClient",
     "CurveKeyPair",
     "CurveRefusal",
+    "CurveRefusals",
     "CurveServer",
     "check_key_pair_name",
     "load_public_key",
@@ -228,6 +230,59 @@ class CurveRefusal:
     def __str__(self) -> str:
         key = f" with public key {self.public_key}" if self.public_key else ""
         return f"{self.address}{key}: {self.reason}"
+
+
+@attrs.define
+class CurveRefusals:
+    """A bounded record of the connections a ZAP handler refused.
+
+    A refused peer that keeps connecting again (a stranger engine its supervisor
+    restarts, a peer presenting a new key each time) must not make it grow: it counts
+    every refusal, keeps the most recent ``keep`` of them and the counts of the first
+    ``keep_keys`` distinct public keys.
+    """
+
+    keep: int = 16
+    keep_keys: int = 8
+    total: int = 0
+    recent: collections.deque[CurveRefusal] = attrs.field(init=False)
+    keys: dict[str, int] = attrs.field(init=False, factory=dict[str, int])
+    """Refusals per public key, for the first ``keep_keys`` distinct keys."""
+    other_keys: int = 0
+    """Refusals of keys beyond those, which are not kept."""
+    without_key: int = 0
+    """Refusals of connections that presented no CURVE key."""
+
+    def __attrs_post_init__(self) -> None:
+        self.recent = collections.deque(maxlen=self.keep)
+
+    def add(self, refusal: CurveRefusal) -> None:
+        """Record one refusal."""
+        self.total += 1
+        self.recent.append(refusal)
+        key = refusal.public_key
+        if key is None:
+            self.without_key += 1
+        elif key in self.keys or len(self.keys) < self.keep_keys:
+            self.keys[key] = self.keys.get(key, 0) + 1
+        else:
+            self.other_keys += 1
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+    def describe(self, *, latest: int = 3) -> str:
+        """One line: how many were refused, which keys, the ``latest`` most recent."""
+        who = [f"{count} with public key {key}" for key, count in self.keys.items()]
+        if self.other_keys:
+            who.append(f"{self.other_keys} with other public keys")
+        if self.without_key:
+            who.append(f"{self.without_key} without a CURVE key")
+        last = "; ".join(str(refusal) for refusal in list(self.recent)[-latest:])
+        return (
+            f"CURVE authentication refused {self.total} connection(s) ({', '.join(who)}), "
+            f"most recently {last}"
+        )
 
 
 async def run_zap_handler(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 import shutil
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -32,7 +33,14 @@ import trio
 import zmq
 
 from .._addresses import bind_address, connect_address
-from .._curve import CurveRefusal, CurveServer, load_public_key, run_zap_handler, write_key_pair
+from .._curve import (
+    CurveRefusal,
+    CurveRefusals,
+    CurveServer,
+    load_public_key,
+    run_zap_handler,
+    write_key_pair,
+)
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
 from ..engine._coordinator import CoordinatorAddresses, run_coordinator
@@ -55,6 +63,7 @@ from ._base import TrioClientBase, run_client
 from ._launch import (
     EngineHandle,
     engine_command,
+    open_lifeline,
     private_ipc_dir,
     start_engine_process,
 )
@@ -123,7 +132,7 @@ class TrioMPClient(TrioClientBase):
         self._coordinator_addresses: CoordinatorAddresses | None = None
         self._startup_scope: trio.CancelScope | None = None
         self._remote: RemoteEngines | None = None
-        self._refusals: list[CurveRefusal] = []
+        self._refusals = CurveRefusals()
         self._hellos: set[bytes] = set()
         self._socket_tasks: list[tuple[trio.CancelScope, trio.Event]] = []
         self._nursery: trio.Nursery | None = None
@@ -398,8 +407,18 @@ class TrioMPClient(TrioClientBase):
     ) -> None:
         for engine in engines:
             config = self.config.evolve(data_parallel_rank=engine.rank)
-            command = engine_command(config, connectable(handshake_address)) + extra_arguments
-            await start_engine_process(engine, command, nursery)
+            # The engine stops by itself once this process is gone, however it dies:
+            # its lifeline pipe's write end, kept open until aclose(), closes then.
+            read_end, engine.lifeline = open_lifeline()
+            try:
+                command = engine_command(
+                    config, connectable(handshake_address), lifeline_fd=read_end
+                )
+                await start_engine_process(
+                    engine, command + extra_arguments, nursery, lifeline=read_end
+                )
+            finally:
+                os.close(read_end)
             nursery.start_soon(self._watch_process, engine)
 
     def _local_engine_keys(self, curve: CurveServer) -> tuple[bytes, list[str]]:
@@ -437,7 +456,7 @@ class TrioMPClient(TrioClientBase):
 
     def _refused(self, refusal: CurveRefusal) -> None:
         logger.warning("refused a connection from %s", refusal)
-        self._refusals.append(refusal)
+        self._refusals.add(refusal)
 
     async def _startup_error(self, timeout_s: float, timed_out: bool) -> EngineStartupError:
         details: list[str] = []
@@ -462,11 +481,7 @@ class TrioMPClient(TrioClientBase):
             else:
                 details.append(f"engine rank {engine.rank} never sent its ready message")
         if self._refusals:
-            refused = "; ".join(str(refusal) for refusal in self._refusals[-3:])
-            details.append(
-                f"CURVE authentication refused {len(self._refusals)} connection(s), "
-                f"most recently {refused}"
-            )
+            details.append(self._refusals.describe())
         what = f"not ready within {timeout_s:g} s" if timed_out else "failed to start"
         return EngineStartupError(f"engine {what}: " + " | ".join(details))
 
@@ -561,6 +576,9 @@ class TrioMPClient(TrioClientBase):
                 self._fail_waiters_on_close()
             self._closing = True
             await self._stop_processes(self.shutdown_timeout_s)
+            # The engines have exited (after SIGTERM, or SIGKILL): their lifelines go.
+            for engine in self._engines:
+                engine.close_lifeline()
             self._closed = True
             # Sockets owned by tasks must be closed by their task before the context
             # goes (closing a socket under a waiting task breaks the wait).

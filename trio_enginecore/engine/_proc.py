@@ -152,7 +152,8 @@ async def engine_handshake(
             metadata.addresses.outputs,
         )
     except BaseException:
-        sock.close()
+        # A HELLO nobody answered is not worth waiting for: drop it (linger 0).
+        sock.close(linger=0)
         raise
     return sock, metadata.addresses
 
@@ -225,6 +226,7 @@ class EngineCoreProc:
         self.waves = EngineWaveState(config.data_parallel_rank)
         self._coordinator: TrioSocket | None = None
         self._start_wave: int | None = None
+        self._abandoned = False
 
     # -------------------------------------------------------------------- running
 
@@ -239,7 +241,8 @@ class EngineCoreProc:
         """Connect to the clients, announce readiness and serve until drained.
 
         Returns after :meth:`begin_drain` once no request is left. Cancelling it stops
-        the engine at once (queued outputs are still flushed by the context's linger).
+        the engine at once (queued outputs are still flushed by the context's linger,
+        unless :meth:`abandon` was called). It closes ``handshake_socket`` in any case.
 
         Raises:
             FatalEngineError: the core failed; ``ENGINE_CORE_DEAD`` was sent first.
@@ -292,10 +295,14 @@ class EngineCoreProc:
             self._send_engine_dead()
             raise
         finally:
+            # After abandon(), nothing queued is worth a wait: linger 0.
+            linger = 0 if self._abandoned else None
             for sock in (*inputs, *self._outputs):
-                sock.close()
+                sock.close(linger=linger)
             if self._coordinator is not None:
-                self._coordinator.close()
+                self._coordinator.close(linger=linger)
+            if handshake_socket is not None:
+                handshake_socket.close(linger=linger)
 
     @property
     def serving(self) -> bool:
@@ -306,6 +313,14 @@ class EngineCoreProc:
     def draining(self) -> bool:
         """Whether :meth:`begin_drain` was called."""
         return self._draining
+
+    def abandon(self) -> None:
+        """The clients are gone: drop whatever is queued for them.
+
+        Call it before cancelling :meth:`run`: the sockets are then closed with linger
+        0, so terminating the context does not wait for peers that will never read.
+        """
+        self._abandoned = True
 
     def begin_drain(self) -> None:
         """Stop accepting requests; finish in-flight ones within ``drain_timeout_s``.

@@ -2,6 +2,15 @@
 
 This is an application entry point, so unlike the library it may own the process's
 signals: SIGTERM and SIGINT start a graceful drain, a second one stops at once.
+
+An engine launched by a client also stops, at once and without draining, when that
+client is gone: the client holds the write end of a *lifeline* pipe whose read end the
+engine gets (``--lifeline-fd``). The kernel closes the write end when the client
+exits, however it exits (SIGKILL included), so the engine reads end-of-file: at the
+start of :func:`serve` if the client died before, or from a task watching the pipe
+afterwards. (Before :func:`serve`, while Python imports the package, the SIGIO the
+client asked the kernel to send on that event ends the process at once.)
+``--exit-with-parent`` (polling ``getppid()``) stays for engines started by hand.
 """
 
 from __future__ import annotations
@@ -10,7 +19,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, Final, cast
 
 import trio
 import zmq
@@ -31,6 +41,27 @@ EXIT_FATAL = 1
 EXIT_ADDRESS = 2
 """An address given on the command line could not be bound or connected to."""
 EXIT_STARTUP = 3
+EXIT_CLIENT_GONE = 4
+"""The client that launched this engine is gone (its lifeline pipe closed, or with
+``--exit-with-parent`` the launching process exited): stopped at once, nothing drained."""
+
+CLIENT_GONE: Final = "the client that launched this engine is gone"
+
+
+def lifeline_closed(fd: int) -> bool:
+    """Whether the write end of the lifeline pipe whose read end is ``fd`` is closed.
+
+    Never blocks (``fd`` is made non-blocking). The client never writes on the pipe;
+    anything it did write would be read and ignored.
+    """
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return False
+        if not data:
+            return True
 
 
 async def _serve(
@@ -43,11 +74,25 @@ async def _serve(
     headless: bool,
     handshake_timeout_s: float,
     exit_with_parent: bool,
+    lifeline_fd: int | None,
     curve: CurveClient | None,
-) -> None:
+) -> int:
     engine = EngineCoreProc(config, ctx, curve=curve)
+    gone: list[str] = []
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
+
+            def client_gone(how: str) -> None:
+                """Stop now: nobody is left to drain for or to deliver anything to."""
+                if not gone:
+                    gone.append(how)
+                    logger.warning("%s (%s): stopping now, without draining", CLIENT_GONE, how)
+                    engine.abandon()
+                    nursery.cancel_scope.cancel()
+
+            # First, so that a client that is already gone stops everything else.
+            if lifeline_fd is not None:
+                nursery.start_soon(_watch_lifeline, lifeline_fd, client_gone)
 
             async def watch_signals() -> None:
                 async for signum in signals:
@@ -67,7 +112,7 @@ async def _serve(
 
             nursery.start_soon(watch_signals)
             if exit_with_parent:
-                nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
+                nursery.start_soon(_exit_when_orphaned, client_gone)
             handshake_socket = None
             if handshake_address is not None:
                 handshake_socket, addresses = await engine_handshake(
@@ -82,22 +127,32 @@ async def _serve(
                 addresses = addresses_for(inputs, outputs)
             await engine.run(addresses, handshake_socket=handshake_socket, headless=headless)
             nursery.cancel_scope.cancel()
+    return EXIT_CLIENT_GONE if gone else EXIT_OK
+
+
+async def _watch_lifeline(fd: int, client_gone: Callable[[str], None]) -> None:
+    """Call ``client_gone`` once the lifeline pipe reads end-of-file."""
+    while not lifeline_closed(fd):
+        await trio.lowlevel.wait_readable(fd)
+    client_gone("its lifeline pipe closed")
 
 
 PARENT_POLL_INTERVAL_S = 0.5
 
 
-async def _exit_when_orphaned(scope: trio.CancelScope) -> None:
-    """Stop the engine once the process that launched it is gone.
+async def _exit_when_orphaned(parent_gone: Callable[[str], None]) -> None:
+    """Call ``parent_gone`` once the process that launched this one is gone
+    (``--exit-with-parent``).
 
     A client killed with SIGKILL cannot stop its engines; without this they would run
-    on as orphans (the kernel reparents them, which changes ``getppid()``).
+    on as orphans (the kernel reparents them, which changes ``getppid()``). A parent
+    that was already gone when this started is not noticed: the lifeline pipe has no
+    such gap.
     """
     parent = os.getppid()
     while os.getppid() == parent:  # noqa: ASYNC110 - no event exists for this
         await trio.sleep(PARENT_POLL_INTERVAL_S)
-    logger.warning("the launching process (pid %d) is gone: stopping", parent)
-    scope.cancel()
+    parent_gone(f"the launching process, pid {parent}, exited")
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -120,17 +175,28 @@ def serve(
     headless: bool = False,
     handshake_timeout_s: float = 300.0,
     exit_with_parent: bool = False,
+    lifeline_fd: int | None = None,
     curve: CurveClient | None = None,
 ) -> int:
     """Run an engine until it is drained; return the process exit code.
 
     An address ZeroMQ refuses (malformed, unknown transport, an interface this host
-    does not have) is reported in one line on stderr, with exit code 2.
+    does not have) is reported in one line on stderr, with exit code 2. With
+    ``lifeline_fd`` (the read end of the launching client's lifeline pipe), the engine
+    stops at once with exit code 4 when the pipe reads end-of-file, checked first of
+    all, before the handshake; so does ``exit_with_parent`` when the parent exits.
     """
+    if lifeline_fd is not None:
+        # The client may have had the kernel send SIGIO when the pipe closes, which
+        # ends an engine still importing; from here on, the pipe is watched instead.
+        signal.signal(signal.SIGIO, signal.SIG_IGN)
+        if lifeline_closed(lifeline_fd):
+            logger.warning("%s (its lifeline pipe is closed): not starting", CLIENT_GONE)
+            return EXIT_CLIENT_GONE
     ctx: zmq.Context[Any] = zmq.Context()
     exit_code = EXIT_OK
     try:
-        trio.run(
+        exit_code = trio.run(
             lambda: _serve(
                 ctx,
                 config,
@@ -140,6 +206,7 @@ def serve(
                 headless=headless,
                 handshake_timeout_s=handshake_timeout_s,
                 exit_with_parent=exit_with_parent,
+                lifeline_fd=lifeline_fd,
                 curve=curve,
             )
         )
@@ -156,10 +223,18 @@ def serve(
         logger.critical("engine crashed", exc_info=group)
         exit_code = EXIT_FATAL
     finally:
-        # Outside Trio now, so waiting for queued outputs (the sockets' linger) is fine.
-        ctx.term()
+        if exit_code == EXIT_CLIENT_GONE:
+            # Nobody is left to deliver queued outputs to: do not wait for them (the
+            # sockets were closed with linger 0; this drops any other one's queue).
+            ctx.destroy(linger=0)
+        else:
+            # Outside Trio now, so waiting for queued outputs (the sockets' linger) is
+            # fine.
+            ctx.term()
     if exit_code == EXIT_OK:
         logger.info("engine drained, exiting")
+    elif exit_code == EXIT_CLIENT_GONE:
+        logger.warning("engine stopped: %s (exit code %d)", CLIENT_GONE, EXIT_CLIENT_GONE)
     return exit_code
 
 
@@ -191,8 +266,13 @@ def serve_coordinator(
                     bound.publish,
                 )
                 async with trio.open_nursery() as nursery:
+
+                    def parent_gone(how: str) -> None:
+                        logger.warning("%s: stopping", how)
+                        nursery.cancel_scope.cancel()
+
                     if exit_with_parent:
-                        nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
+                        nursery.start_soon(_exit_when_orphaned, parent_gone)
                     async for _ in signals:
                         nursery.cancel_scope.cancel()
 

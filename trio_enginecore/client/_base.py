@@ -417,8 +417,8 @@ class TrioClientBase(AsyncEngineCoreClient):
         The engine sends no output for a request it aborts on our behalf, and outputs
         already received for it are dropped (those of a request that finished but
         whose outputs ``get_output()`` has not returned yet too): after this returns,
-        ``get_output()`` never returns an output of these requests. A stream of an aborted request ends with a
-        local ``FinishReason.ABORT`` output.
+        ``get_output()`` never returns an output of these requests. A stream of an
+        aborted request ends with a local ``FinishReason.ABORT`` output.
 
         An aborted request's id may be used again at once: the new request then goes
         to the engine under a fresh internal id (its ``external_req_id`` is yours), so

@@ -400,10 +400,13 @@ class TrioClientBase(AsyncEngineCoreClient):
             EngineDeadError: the engine died and no output is pending.
             trio.ClosedResourceError: the client was closed.
         """
-        # The checkpoint comes first and nothing can intervene between taking the
-        # message and returning it: an abort_requests() that returned before this
-        # returns has already removed its requests' outputs from what is taken.
-        await trio.lowlevel.checkpoint()
+        # Every schedule point comes before the take, and nothing can intervene
+        # between taking the message and returning it: an abort_requests() that
+        # returned before this returns has removed its requests' outputs from what is
+        # taken. (Waiting is the schedule point when nothing is pending yet.)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if len(self._batches):
+            await trio.lowlevel.cancel_shielded_checkpoint()
         while True:
             outputs = self._batches.take()
             if outputs is not None:
@@ -702,8 +705,8 @@ class TrioClientBase(AsyncEngineCoreClient):
             # comprehensions rather than one loop. It needs every output to be of a
             # different request in flight; anything else takes the careful path.
             ids = [output.request_id for output in outputs]
-            unique = set(ids)
-            if len(unique) == len(ids) and unique <= inflight.keys():
+            # All in flight and no id twice: then the intersection keeps every one.
+            if len(inflight.keys() & ids) == len(ids):
                 for request_id in [o.request_id for o in outputs if o.finish_reason is not None]:
                     inflight.pop(request_id).load.in_flight -= 1
                 batch = outputs

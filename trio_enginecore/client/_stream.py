@@ -111,9 +111,12 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
             trio.ClosedResourceError: the stream was closed.
             trio.BusyResourceError: another task is already receiving on this stream.
         """
-        # The checkpoint comes first, and nothing can intervene between taking an
-        # output and returning it: a cancelled receive has taken nothing.
-        await trio.lowlevel.checkpoint()
+        # Every schedule point comes before the take, and nothing can intervene
+        # between taking an output and returning it: a cancelled receive has taken
+        # nothing. (Waiting is the schedule point when nothing is pending yet.)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._pending is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
         if self._receiving:
             raise trio.BusyResourceError("another task is already receiving on this stream")
         self._receiving = True

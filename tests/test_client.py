@@ -337,7 +337,7 @@ async def test_typed_utility_wrappers_return_typed_results() -> None:
             assert await client.is_sleeping() is False
             await client.sleep()
             assert await client.is_sleeping() is True
-            await client.wake_up()
+            assert await client.wake_up() is True  # vLLM 0.33's answer: fully awake
             assert await client.add_lora(LoRARequest("a", 1, "/a")) is True
             assert await client.add_lora(LoRARequest("b", 2, "/b")) is True
             assert await client.add_lora(LoRARequest("c", 3, "/c")) is False

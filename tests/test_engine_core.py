@@ -633,7 +633,7 @@ def test_sleep_freezes_stepping_and_wake_up_continues_exactly_where_it_was() -> 
     for _ in range(3):
         assert engine.step() == {}
     assert (engine.num_waiting, engine.num_running) == (2, 1)
-    assert call(engine, "wake_up", call_id=4) == ok_reply(4)
+    assert call(engine, "wake_up", call_id=4) == ok_reply(4, True)
     assert result_of(engine, "is_sleeping") is False
     assert engine.can_step
     tokens, _ = run_to_completion(engine)
@@ -643,7 +643,7 @@ def test_sleep_freezes_stepping_and_wake_up_continues_exactly_where_it_was() -> 
 def test_sleep_accepts_levels_one_and_two_only() -> None:
     engine = engine_with()
     assert result_of(engine, "sleep", 2) is None
-    assert result_of(engine, "wake_up", ["weights"]) is None
+    assert result_of(engine, "wake_up", ["weights"]) is True
     reply = call(engine, "sleep", 3)
     assert reply.result is None
     assert reply.failure_message == "Call to sleep method failed: sleep level must be 1 or 2, got 3"
@@ -744,9 +744,9 @@ def test_reset_prefix_cache_sleep_level_2_and_pause_empty_the_prefix_cache() -> 
 
     assert cache_after("reset_prefix_cache") == 0
     assert cache_after("sleep", 1) == 1
-    assert result_of(engine, "wake_up") is None
+    assert result_of(engine, "wake_up") is True
     assert cache_after("sleep", 2) == 0
-    assert result_of(engine, "wake_up") is None
+    assert result_of(engine, "wake_up") is True
     assert cache_after("pause_scheduler", "keep", False) == 1
     assert result_of(engine, "resume_scheduler") is None
     assert cache_after("pause_scheduler", "keep", True) == 0

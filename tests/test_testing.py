@@ -108,3 +108,13 @@ async def test_kill_fails_every_waiter_and_the_block(
                 await trio.sleep(2.5)
                 engine.kill("power cut")
     assert len(failures) == 3
+
+
+async def test_wake_up_reports_whether_the_engine_is_fully_awake() -> None:
+    engine = FakeEngine()
+    async with open_fake_engine_client(engine) as client:
+        assert await client.wake_up() is True
+        engine.on_utility("wake_up", lambda tags=None: False)  # vLLM: partly asleep
+        assert await client.wake_up(["weights"]) is False
+        engine.on_utility("wake_up", lambda tags=None: None)  # an engine answering nothing
+        assert await client.wake_up() is True

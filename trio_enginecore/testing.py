@@ -152,8 +152,9 @@ class FakeEngine:
         def sleep(level: int = 1) -> None:
             self._sleeping = True
 
-        def wake_up(tags: Any = None) -> None:
+        def wake_up(tags: Any = None) -> bool:
             self._sleeping = False
+            return True
 
         def counts() -> tuple[int, int]:
             return 0, self.in_flight

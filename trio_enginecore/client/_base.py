@@ -138,9 +138,15 @@ class AsyncEngineCoreClient(abc.ABC):
         """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
         await self._typed_call(type(None), "sleep", level)
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the engine up after :meth:`sleep`."""
-        await self._typed_call(type(None), "wake_up", tags)
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the engine up after :meth:`sleep`.
+
+        Returns whether it is fully awake, as vLLM 0.33's engines answer: with
+        ``tags`` naming part of its memory, the rest may stay asleep. An engine that
+        answers nothing (older ones) counts as fully awake.
+        """
+        awake = await self._typed_call(bool | None, "wake_up", tags)  # type: ignore[arg-type]
+        return awake is not False
 
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
@@ -206,7 +212,16 @@ class AsyncEngineCoreClient(abc.ABC):
         return await self._typed_call(bool, "is_scheduler_paused")
 
     async def get_request_counts(self) -> tuple[int, int]:
-        """``(waiting, running)`` request counts of the engine (for load balancing)."""
+        """``(waiting, running)`` request counts of the engine.
+
+        A utility of the reference engine (``trio-enginecore serve``), in this order:
+        waiting first. vLLM 0.33's engines have no such utility (the call raises
+        :class:`~trio_enginecore.errors.UtilityCallError`; its internal
+        ``Scheduler.get_request_counts()`` answers (running, waiting)). From a vLLM
+        engine, read the same figures from the ``SchedulerStats`` its outputs carry
+        with ``log_stats`` on (``num_waiting_reqs``, ``num_running_reqs``), or, with
+        data parallelism, from the coordinator's publications the load balancer uses.
+        """
         return await self._typed_call(tuple[int, int], "get_request_counts")
 
     # -------------------------------------------------------------- internals
@@ -548,7 +563,16 @@ class TrioClientBase(AsyncEngineCoreClient):
 
     async def get_request_counts(self) -> tuple[int, int]:
         """``(waiting, running)`` summed over the engines (see
-        :meth:`get_request_counts_per_engine`)."""
+        :meth:`get_request_counts_per_engine`).
+
+        A utility of the reference engine (``trio-enginecore serve``), in this order:
+        waiting first. vLLM 0.33's engines have no such utility (the call raises
+        :class:`~trio_enginecore.errors.UtilityCallError`; its internal
+        ``Scheduler.get_request_counts()`` answers (running, waiting)). From a vLLM
+        engine, read the same figures from the ``SchedulerStats`` its outputs carry
+        with ``log_stats`` on (``num_waiting_reqs``, ``num_running_reqs``), or, with
+        data parallelism, from the coordinator's publications the load balancer uses.
+        """
         per_engine = await self.get_request_counts_per_engine()
         return sum(w for w, _ in per_engine), sum(r for _, r in per_engine)
 

@@ -96,9 +96,10 @@ class EngineCoreClient(abc.ABC):
         """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
         self.call_utility("sleep", level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the engine up after :meth:`sleep`."""
-        self.call_utility("wake_up", tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the engine up after :meth:`sleep`; whether it is fully awake."""
+        awake = self._typed_call(bool | None, "wake_up", tags)  # type: ignore[arg-type]
+        return awake is not False
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
@@ -157,7 +158,12 @@ class EngineCoreClient(abc.ABC):
         return self._typed_call(bool, "is_scheduler_paused")
 
     def get_request_counts(self) -> tuple[int, int]:
-        """``(waiting, running)`` request counts of the engine."""
+        """``(waiting, running)`` request counts of the engine.
+
+        A reference-engine utility: vLLM 0.33's engines have none (see
+        :meth:`AsyncEngineCoreClient.get_request_counts
+        <trio_enginecore.AsyncEngineCoreClient.get_request_counts>`).
+        """
         return self._typed_call(tuple[int, int], "get_request_counts")
 
 

@@ -587,10 +587,12 @@ class EngineCore:
             self.prefix_cache.clear()
 
     @utility
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Resume stepping after :meth:`sleep`."""
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Resume stepping after :meth:`sleep`; True: fully awake (as vLLM 0.33 answers,
+        whose engines may wake part of their memory at a time)."""
         self._sleeping = False
         self._sleep_level = 0
+        return True
 
     @utility
     def reset_prefix_cache(

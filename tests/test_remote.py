@@ -252,7 +252,7 @@ async def test_missing_remote_ranks_are_named_after_the_timeout() -> None:
         async with running(commands):
             with pytest.raises(EngineStartupError) as caught:
                 async with open_engine_client(
-                    config, remote=RemoteEngines(address), ready_timeout_s=2
+                    config, remote=RemoteEngines(address), ready_timeout_s=5
                 ):
                     pytest.fail("two ranks are missing")
     message = str(caught.value)
@@ -329,7 +329,7 @@ async def test_an_engine_in_another_network_namespace_joins_across_a_veth_link(
         )
         async with running([stranger]):
             with pytest.raises(EngineStartupError, match="not in the allow-list"):
-                async with open_engine_client(config, remote=remote, ready_timeout_s=3):
+                async with open_engine_client(config, remote=remote, ready_timeout_s=6):
                     pytest.fail("a stranger must not be admitted")
         # ...and the engine with an allowed key serves.
         allowed = headless_command(

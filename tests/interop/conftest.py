@@ -25,4 +25,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     terminalreporter.section("vLLM interop timings")
     for name, seconds in sorted(_TIMINGS.items()):
-        terminalreporter.write_line(f"{name:<55} {seconds:8.2f} s")
+        terminalreporter.write_line(f"{name:<55} {seconds:8.3f} s")

@@ -116,7 +116,8 @@ class VllmProcess:
         return self.process.pid
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:

@@ -12,8 +12,10 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,20 @@ def vllm_config(model_dir: str, *, headless: bool = False, **overrides: Any) -> 
     return args.create_engine_config(
         usage_context=UsageContext.OPENAI_API_SERVER, headless=headless
     )
+
+
+def exit_with_parent() -> None:
+    """SIGTERM this process when the one that started it (the test) is gone, so that
+    nothing of vLLM's outlives a test run that was killed: a launcher's own handler
+    then stops its engines."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def say(**fields: Any) -> None:

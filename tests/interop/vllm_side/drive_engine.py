@@ -33,7 +33,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import say, vllm_config, write_model
+from common import exit_with_parent, say, vllm_config, write_model
 
 # ------------------------------------------------------------------ the clients
 
@@ -389,6 +389,7 @@ def main() -> int:
     parser.add_argument("--output-address", required=True)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("scenarios", nargs="+")
+    exit_with_parent()
     asyncio.run(run(parser.parse_args()))
     return 0
 

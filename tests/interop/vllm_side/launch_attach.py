@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import say, vllm_config, write_model
+from common import exit_with_parent, say, vllm_config, write_model
 
 
 def main() -> int:
@@ -32,6 +32,7 @@ def main() -> int:
     parser.add_argument("--model", default="llama", choices=["llama", "mixtral"])
     parser.add_argument("--data-parallel-size", type=int, default=1)
     args = parser.parse_args()
+    exit_with_parent()
 
     from fake_executor import CounterExecutor
     from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import say, vllm_config, write_model
+from common import exit_with_parent, say, vllm_config, write_model
 
 
 def main() -> int:
@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--data-parallel-rank", type=int, default=0)
     parser.add_argument("--local-engines", type=int, default=1)
     args = parser.parse_args()
+    exit_with_parent()
 
     from fake_executor import CounterExecutor
     from vllm.v1.engine.utils import CoreEngineProcManager

@@ -1,0 +1,313 @@
+"""Our client drives vLLM 0.33's real engine core (one engine).
+
+vLLM's ``EngineCoreProc`` runs as shipped (handshake, input and output threads, busy
+loop, scheduler, KV cache manager, utilities, ``ENGINE_CORE_DEAD``) in the vLLM
+environment, with only the model executor replaced by ``vllm_side/fake_executor.py``
+(the counter model). Two ways in, both stock vLLM:
+
+- ``headless``: vLLM's ``CoreEngineProcManager(local_client=False)`` (what ``vllm serve
+  --headless`` runs) joins our client's handshake address
+  (``open_engine_client(remote=RemoteEngines(...))``);
+- ``attach``: our client binds its ROUTER and PULL (``input_address`` /
+  ``output_address``) and vLLM's supervisor ``launch_core_engines`` starts the engine
+  for it, handshaking with it on its own private socket.
+
+Each test starts its own engine (tens of seconds on two cores): a fatal error or a
+``kill -9`` ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from trio_enginecore import (
+    EngineConfig,
+    EngineCoreRequest,
+    EngineDeadError,
+    EngineStartupError,
+    FinishReason,
+    RemoteEngines,
+    TrioMPClient,
+    UtilityCallError,
+    open_engine_client,
+)
+
+from ..support import expected, free_port
+from .support import VllmProcess, require_vllm, vllm_process
+
+require_vllm()
+
+MODES = ["headless", "attach"]
+# Liveness checks of a remote engine, tighter than the defaults (5 s, 15 s) so that a
+# kill -9 is noticed within a test's time; the defaults would take 15-20 s.
+LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S = 1.0, 3.0
+
+
+@dataclass
+class VllmEngine:
+    mode: str
+    client: TrioMPClient
+    launcher: VllmProcess
+    ready_s: float
+    engine_pid: int
+
+    async def rpc(self, method: str, *args: Any) -> Any:
+        """``collective_rpc`` of the fake executor: vLLM returns one result per worker."""
+        results = await self.client.call_utility("collective_rpc", method, None, list(args))
+        assert isinstance(results, list)
+        assert len(results) == 1
+        return results[0]
+
+
+@asynccontextmanager
+async def vllm_engine(mode: str, tmp_path: Path) -> AsyncIterator[VllmEngine]:
+    """A vLLM engine core started by ``mode``'s launcher, and our client, ready."""
+    client_args: dict[str, Any]
+    if mode == "headless":
+        address = f"tcp://127.0.0.1:{free_port()}"
+        script, args = "launch_headless.py", ["--handshake-address", address]
+        remote = RemoteEngines(
+            address,
+            liveness_interval_s=LIVENESS_INTERVAL_S,
+            liveness_timeout_s=LIVENESS_TIMEOUT_S,
+        )
+        client_args = {"remote": remote}
+    else:
+        inputs, outputs = f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output"
+        script, args = "launch_attach.py", ["--input-address", inputs, "--output-address", outputs]
+        client_args = {"input_address": inputs, "output_address": outputs}
+    with vllm_process(script, args, tmp_path / f"vllm-{mode}.log") as launcher:
+        start = trio.current_time()
+        try:
+            async with open_engine_client(
+                EngineConfig(), ready_timeout_s=120, **client_args
+            ) as client:
+                ready_s = trio.current_time() - start
+                started = await trio.to_thread.run_sync(launcher.next_report, 30)
+                assert started["event"] == "started", started
+                (engine_pid,) = started["pids"]
+                yield VllmEngine(mode, client, launcher, ready_s, engine_pid)
+        except EngineStartupError as exc:
+            raise AssertionError(f"{exc}\nvLLM's log ends:\n{launcher.log_tail()}") from exc
+
+
+async def _generate(client: TrioMPClient, request: EngineCoreRequest) -> tuple[list[int], Any]:
+    tokens: list[int] = []
+    finish = None
+    async with client.stream(request) as outputs:
+        async for output in outputs:
+            tokens += output.new_token_ids
+            finish = output.finish_reason
+    return tokens, finish
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_exact_streams_cancellation_and_utilities(
+    mode: str, tmp_path: Path, timings: dict[str, float]
+) -> None:
+    async with vllm_engine(mode, tmp_path) as engine:
+        client = engine.client
+        timings[f"time to ready, {mode}"] = engine.ready_s
+        ready = client.engines[0]
+        assert ready is not None
+        # vLLM's own ready response: its version, and the KV blocks it sized from what
+        # the executor reported (4096 blocks of 16 tokens).
+        assert ready.vllm_version == "0.33.0"
+        assert (ready.num_gpu_blocks, ready.block_size, ready.max_model_len) == (4096, 16, 1024)
+        assert await engine.rpc("executor_pid") == engine.engine_pid
+
+        # 64 concurrent streams, exact tokens: half end on max_tokens, half on a stop
+        # token id.
+        results: dict[str, tuple[list[int], Any]] = {}
+        wanted: dict[str, tuple[list[int], FinishReason]] = {}
+
+        async def one(i: int) -> None:
+            prompt = [1000 + 50 * i, 1001 + 50 * i]
+            if i % 2:
+                request = EngineCoreRequest.for_tokens(
+                    prompt, request_id=f"length-{i}", max_tokens=16 + i
+                )
+                wanted[request.request_id] = (expected(prompt, 16 + i), FinishReason.LENGTH)
+            else:
+                stop = prompt[-1] + 3 + i % 11
+                request = EngineCoreRequest.for_tokens(
+                    prompt, request_id=f"stop-{i}", max_tokens=100, stop_token_ids=[stop]
+                )
+                wanted[request.request_id] = (
+                    expected(prompt, stop - prompt[-1]),
+                    FinishReason.STOP,
+                )
+            results[request.request_id] = await _generate(client, request)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(64):
+                nursery.start_soon(one, i)
+        assert results == wanted
+
+        # 64 more, slower (10 ms a step): half are cancelled mid-way, and vLLM's
+        # scheduler finishes exactly those while the others still run.
+        await engine.rpc("clear_request_log")
+        await engine.rpc("set_step_delay", 0.01)
+        cancelled = {f"cancel-{i}" for i in range(32)}
+        kept: dict[str, tuple[list[int], Any]] = {}
+        all_cancelled = trio.Event()
+        cancels_left = len(cancelled)
+
+        async def cancel_midway(request_id: str, prompt: list[int]) -> None:
+            nonlocal cancels_left
+            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=1000)
+            received = 0
+            async with client.stream(request) as outputs:
+                async for output in outputs:
+                    assert output.finish_reason is None
+                    received += len(output.new_token_ids)
+                    if received >= 5:
+                        break  # leaving the block aborts the request
+            cancels_left -= 1
+            if not cancels_left:
+                all_cancelled.set()
+
+        async def keep(request_id: str, prompt: list[int]) -> None:
+            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=300)
+            kept[request_id] = await _generate(client, request)
+
+        finished_while_running: list[str] = []
+        async with trio.open_nursery() as nursery:
+            for i in range(32):
+                nursery.start_soon(cancel_midway, f"cancel-{i}", [5000 + i])
+                nursery.start_soon(keep, f"keep-{i}", [9000 + i])
+            with trio.fail_after(30):
+                await all_cancelled.wait()
+                # The aborts reach the executor in the scheduler's next step.
+                while set(finished_while_running) != cancelled:
+                    finished_while_running = await engine.rpc("finished_request_ids")
+                    assert len(kept) == 0, "the kept requests finished too early"
+                    await trio.sleep(0.05)
+        assert set(finished_while_running) == cancelled
+        assert kept == {
+            f"keep-{i}": (expected([9000 + i], 300), FinishReason.LENGTH) for i in range(32)
+        }
+        assert client.statistics().requests_in_flight == 0
+        await engine.rpc("set_step_delay", 0)
+
+        # Utilities, through the typed methods, answered by vLLM's EngineCore.
+        assert await client.is_sleeping() is False
+        await client.sleep(1)
+        assert await client.is_sleeping() is True
+        assert await client.wake_up() is True
+        assert await client.is_sleeping() is False
+        assert await client.reset_prefix_cache() is True
+        assert await client.get_supported_tasks() == ("generate",)
+        assert await client.list_loras() == set()
+        await client.set_weight_version("v7")
+        assert await client.get_weight_version() == "v7"
+        await client.pause_scheduler("abort")
+        assert await client.is_scheduler_paused() is True
+        await client.resume_scheduler()
+        assert await client.is_scheduler_paused() is False
+        # After all that, the engine still serves.
+        request = EngineCoreRequest.for_tokens([41], max_tokens=4)
+        assert await _generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_fatal_executor_error_is_engine_dead(
+    mode: str, tmp_path: Path, timings: dict[str, float]
+) -> None:
+    with pytest.raises(EngineDeadError):  # the client's block raises it on the way out
+        async with vllm_engine(mode, tmp_path) as engine:
+            await engine.rpc("arm_fault")
+            request = EngineCoreRequest.for_tokens([3], max_tokens=100)
+            start = trio.current_time()
+            with trio.fail_after(20), pytest.raises(EngineDeadError) as died:
+                await _generate(engine.client, request)
+            assert "ENGINE_CORE_DEAD" in str(died.value)
+            timings[f"fatal error -> EngineDeadError, {mode}"] = trio.current_time() - start
+            with pytest.raises(EngineDeadError):
+                await engine.client.is_sleeping()
+            # vLLM's engine exits after reporting; its launcher notices and stops.
+            launcher = engine.launcher.process
+            await trio.to_thread.run_sync(partial(launcher.wait, 30))
+    assert engine.launcher.reports[-1]["event"] == "stopped"
+    assert engine.launcher.reports[-1]["failed"] == "EngineCore"
+    assert "EngineCore encountered a fatal error." in engine.launcher.log()
+
+
+_ATTACH_HAS_NO_LIVENESS = pytest.mark.xfail(
+    strict=True,
+    raises=trio.TooSlowError,
+    reason="attach mode has no liveness check: a kill -9 of an attached engine sends "
+    "nothing, there is no process to watch, and the client waits (documented in "
+    "open_engine_client; RemoteEngines' checks apply to headless engines only)",
+)
+
+
+@pytest.mark.parametrize(
+    "mode", ["headless", pytest.param("attach", marks=_ATTACH_HAS_NO_LIVENESS)]
+)
+def test_kill_9_is_engine_dead(mode: str, tmp_path: Path, timings: dict[str, float]) -> None:
+    # Run by hand, not by pytest-trio, whose nursery would wrap the exception the xfail
+    # expects in an ExceptionGroup.
+    trio.run(_kill_9_is_engine_dead, mode, tmp_path, timings)
+
+
+async def _kill_9_is_engine_dead(mode: str, tmp_path: Path, timings: dict[str, float]) -> None:
+    with pytest.raises(EngineDeadError):
+        async with vllm_engine(mode, tmp_path) as engine:
+            await engine.rpc("set_step_delay", 0.01)
+            failures: list[float] = []
+            flowing = trio.Event()
+            killed_at = 0.0
+
+            async def doomed(i: int) -> None:
+                request = EngineCoreRequest.for_tokens([i], max_tokens=1000)
+                with pytest.raises(EngineDeadError) as died:
+                    async with engine.client.stream(request) as outputs:
+                        async for _ in outputs:
+                            flowing.set()
+                failures.append(trio.current_time() - killed_at)
+                assert "no answer to a liveness check" in str(died.value)
+
+            limit = LIVENESS_INTERVAL_S + LIVENESS_TIMEOUT_S + 10
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(doomed, i)
+                await flowing.wait()
+                killed_at = trio.current_time()
+                os.kill(engine.engine_pid, signal.SIGKILL)
+                with trio.move_on_after(limit) as waiting:
+                    while len(failures) < 4:
+                        await trio.sleep(0.05)
+                if waiting.cancelled_caught:
+                    nursery.cancel_scope.cancel()
+            if waiting.cancelled_caught:
+                raise trio.TooSlowError(
+                    f"{4 - len(failures)} of 4 streams still waiting {limit:g} s after the "
+                    "engine was killed"
+                )
+            timings[f"kill -9 -> EngineDeadError, {mode}"] = max(failures)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=UtilityCallError,
+    reason="vLLM 0.33's EngineCore has no get_request_counts utility ('EngineCoreProc' "
+    "object has no attribute 'get_request_counts'; its Scheduler.get_request_counts() is "
+    "internal): it is a reference-engine utility",
+)
+def test_get_request_counts_on_vllm(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with vllm_engine("attach", tmp_path) as engine:
+            assert await engine.client.get_request_counts() == (0, 0)
+
+    trio.run(main)  # by hand: see test_kill_9_is_engine_dead

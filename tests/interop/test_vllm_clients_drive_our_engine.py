@@ -129,14 +129,16 @@ def test_abort_stops_outputs_and_the_engine_forgets_them(run: DriveRun) -> None:
     report = _report(run, "abort")
     assert report["started"]
     assert report["kept_finished"]
-    assert report["kept_tokens"] == expected([7], 40)
+    assert report["kept_tokens"] == expected([7], 200)
     assert report["kept_finish"] == LENGTH
     for rid, total in report["tokens_total"].items():
         assert 0 < total < 1000, rid
         # Client-initiated aborts get no output from the engine (vLLM's rule).
         assert report["aborted_finish"][rid] is None
-    # What was already on its way may still arrive; nothing is produced afterwards.
-    assert report["last_output_after_abort_s"] < 0.5
+    # What was already on its way may still arrive, but nothing is produced once the
+    # engine has processed the abort: none after the kept request's last output, ~190
+    # steps later.
+    assert report["last_output_after_abort_s"] < report["kept_finished_after_abort_s"]
     assert report["request_counts"] == [0, 0]
 
 

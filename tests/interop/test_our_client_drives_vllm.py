@@ -90,7 +90,7 @@ async def vllm_engine(mode: str, tmp_path: Path) -> AsyncIterator[VllmEngine]:
         start = trio.current_time()
         try:
             async with open_engine_client(
-                EngineConfig(), ready_timeout_s=120, **client_args
+                EngineConfig(), ready_timeout_s=90, **client_args
             ) as client:
                 ready_s = trio.current_time() - start
                 started = await trio.to_thread.run_sync(launcher.next_report, 30)

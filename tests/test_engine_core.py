@@ -851,6 +851,30 @@ def test_utility_names_are_exactly_the_marked_methods() -> None:
 # --------------------------------------------------------------- pause modes
 
 
+def test_sleep_takes_vllms_mode_abort_aborts_keep_keeps_and_wait_is_refused() -> None:
+    engine = engine_with()
+    engine.add_request(req("kept", [1], max_tokens=5))
+    engine.step()
+    assert result_of(engine, "sleep", 1, "keep") is None
+    assert engine.num_requests == 1
+    assert result_of(engine, "wake_up") is True
+    assert result_of(engine, "sleep", 1, "abort") is None  # what vLLM's clients send
+    assert result_of(engine, "is_sleeping") is True
+    assert engine.num_requests == 0
+    assert engine.step()[0].outputs == [
+        EngineCoreOutput("kept", [], finish_reason=FinishReason.ABORT)
+    ]
+    reply = call(engine, "sleep", 1, "wait")
+    assert reply.failure_message is not None
+    assert "pause_scheduler('wait') first" in reply.failure_message
+
+
+def test_profile_takes_vllms_five_arguments() -> None:
+    engine = engine_with()
+    assert result_of(engine, "profile", True, "prefix", None, None, None) is None
+    assert result_of(engine, "profile", False, None, 1, 10, {"record_shapes": True}) is None
+
+
 def test_pause_abort_aborts_in_flight_requests_and_queues_new_ones_until_resume() -> None:
     engine = engine_with(max_num_seqs=1)
     engine.add_request(req("running", [1], max_tokens=5))

@@ -142,24 +142,12 @@ def test_abort_stops_outputs_and_the_engine_forgets_them(run: DriveRun) -> None:
     assert report["request_counts"] == [0, 0]
 
 
-_SLEEP_MODE = pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.33's clients call sleep(level, mode); our engine's sleep takes only "
-    "level ('takes at most 1 arguments (2 given)'), so the engine never sleeps",
-)
-_PROFILE_ARGS = pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.33's clients call profile(is_start, profile_prefix, delay_iterations, "
-    "max_iterations, profiler_kwargs); our engine's profile takes two arguments "
-    "('takes at most 2 arguments (5 given)')",
-)
-
 # (what the driver called, the result vLLM's client returns); in the driver's order,
 # vLLM's typed client methods where it has them (sleep_async, wake_up_async, ...).
 UTILITIES: list[Any] = [
     ("is_sleeping", False),
-    pytest.param("sleep", None, marks=_SLEEP_MODE),
-    pytest.param("is_sleeping_asleep", True, marks=_SLEEP_MODE),
+    ("sleep", None),
+    ("is_sleeping_asleep", True),
     ("wake_up", True),
     ("is_sleeping_awake", False),
     ("reset_prefix_cache", True),
@@ -173,8 +161,8 @@ UTILITIES: list[Any] = [
     ("execute_dummy_batch", None),
     ("set_weight_version", None),
     ("get_weight_version", "v7"),
-    pytest.param("profile_start", None, marks=_PROFILE_ARGS),
-    pytest.param("profile_stop", None, marks=_PROFILE_ARGS),
+    ("profile_start", None),
+    ("profile_stop", None),
     ("pause_scheduler", None),
     ("is_scheduler_paused", True),
     ("resume_scheduler", None),

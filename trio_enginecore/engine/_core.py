@@ -576,10 +576,26 @@ class EngineCore:
         return self._sleeping
 
     @utility
-    def sleep(self, level: int = 1) -> None:
-        """Stop stepping; requests stay queued until :meth:`wake_up`."""
+    def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
+        """Stop stepping until :meth:`wake_up`.
+
+        ``mode`` is vLLM 0.33's (its clients always send one): ``"abort"`` aborts the
+        requests in flight first (their clients get ABORT outputs), ``"keep"`` (and
+        no mode, what this project's clients send) keeps them queued where they are.
+        ``"wait"`` (finish them first) is refused: pause with
+        ``pause_scheduler("wait")`` before sleeping instead.
+        """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if mode not in (None, "abort", "keep", "wait"):
+            raise ValueError(f"sleep mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if mode == "wait":
+            raise ValueError(
+                "sleep mode 'wait' is not supported by the reference engine: call "
+                "pause_scheduler('wait') first, then sleep"
+            )
+        if mode == "abort":
+            self._abort_all_with_output()
         self._sleeping = True
         self._sleep_level = level
         if level == 2:
@@ -605,8 +621,16 @@ class EngineCore:
         return True
 
     @utility
-    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
-        """Start or stop profiling."""
+    def profile(
+        self,
+        is_start: bool = True,
+        profile_prefix: str | None = None,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+        profiler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Start or stop profiling (vLLM 0.33's arguments; the reference engine has
+        nothing to profile and only tracks the state)."""
         if is_start == self._profiling:
             state = "already running" if is_start else "not running"
             raise RuntimeError(f"the profiler is {state}")

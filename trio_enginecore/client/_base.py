@@ -565,13 +565,9 @@ class TrioClientBase(AsyncEngineCoreClient):
         """``(waiting, running)`` summed over the engines (see
         :meth:`get_request_counts_per_engine`).
 
-        A utility of the reference engine (``trio-enginecore serve``), in this order:
-        waiting first. vLLM 0.33's engines have no such utility (the call raises
-        :class:`~trio_enginecore.errors.UtilityCallError`; its internal
-        ``Scheduler.get_request_counts()`` answers (running, waiting)). From a vLLM
-        engine, read the same figures from the ``SchedulerStats`` its outputs carry
-        with ``log_stats`` on (``num_waiting_reqs``, ``num_running_reqs``), or, with
-        data parallelism, from the coordinator's publications the load balancer uses.
+        A reference-engine utility that vLLM 0.33's engines do not have: see
+        :meth:`AsyncEngineCoreClient.get_request_counts` for where a vLLM engine's
+        figures are.
         """
         per_engine = await self.get_request_counts_per_engine()
         return sum(w for w, _ in per_engine), sum(r for _, r in per_engine)

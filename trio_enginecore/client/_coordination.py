@@ -14,7 +14,7 @@ import zmq
 
 from .._curve import CurveRefusal, CurveServer, run_zap_handler
 from ..engine._coordinator import CoordinatorAddresses, run_coordinator
-from ._launch import private_ipc_dir
+from ._ipc_dirs import private_ipc_dir
 
 __all__ = ["open_coordinator"]
 

@@ -60,11 +60,11 @@ from ..protocol import (
 )
 from ..serial import MsgpackDecoder, MsgpackEncoder
 from ._base import TrioClientBase, run_client
+from ._ipc_dirs import private_ipc_dir
 from ._launch import (
     EngineHandle,
     engine_command,
     open_lifeline,
-    private_ipc_dir,
     start_engine_process,
 )
 from ._lb import LeastLoaded, LoadBalancer

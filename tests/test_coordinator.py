@@ -109,19 +109,28 @@ async def test_the_coordinator_relays_counts_and_runs_waves_over_real_sockets() 
                 await push.send_multipart(encoder.encode(stats(0, 3, 4)))
                 await push.send_multipart(encoder.encode(stats(1, 0, 2)))
                 await next_publication(lambda p: p[0] == [[3, 4, 0.0], [0, 2, 0.0]])
-                # The client sends a request to engine 1 while paused: the others start.
-                await client.send_multipart([msgspec.msgpack.encode((1, 0))])
+                # Engine 1 got a request while paused: the others start its wave, and
+                # front-ends hear of it at once, with no counts (vLLM's shape).
+                await push.send_multipart(
+                    encoder.encode(EngineCoreOutputs(engine_index=1, start_wave=0))
+                )
                 for engine in engines:
                     frames = await engine.recv_multipart()
                     assert frames[0] == b"\x02"
                     assert msgspec.msgpack.decode(frames[1]) == [0, 1]
-                await next_publication(lambda p: p[1:] == [0, True])
-                for index in (0, 1):
-                    done = EngineCoreOutputs(engine_index=index, wave_complete=0)
-                    await push.send_multipart(encoder.encode(done))
-                await next_publication(lambda p: p[1:] == [1, False])
-                # Garbage from a client or an engine is dropped; the coordinator serves on.
+                await next_publication(lambda p: p == [None, 0, True])
+                # Rank 0 ends the wave (vLLM's rank 0 speaks for its group).
+                done = EngineCoreOutputs(engine_index=0, wave_complete=0)
+                await push.send_multipart(encoder.encode(done))
+                await next_publication(lambda p: p == [None, 1, False])
+                # A front-end may only rescale the group (elastic EP).
+                await client.send_multipart([msgspec.msgpack.encode(("SCALE_ELASTIC_EP", 3))])
+                await next_publication(lambda p: p[0] is not None and len(p[0]) == 3)
+                # Garbage from a front-end or an engine is dropped; the coordinator
+                # serves on. The old wake message of a front-end is not accepted.
                 await client.send_multipart([b"\xc1not msgpack"])
+                await client.send_multipart([msgspec.msgpack.encode((1, 0))])
+                await client.send_multipart([msgspec.msgpack.encode(("SCALE_ELASTIC_EP", 0))])
                 await push.send_multipart([b"\xc1"])
                 await push.send_multipart(encoder.encode(stats(1, 9, 9)))
                 await next_publication(lambda p: p[0][1][:2] == [9, 9])

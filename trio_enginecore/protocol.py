@@ -67,7 +67,13 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "COORDINATOR_READY",
+    "COORDINATOR_SUBSCRIBE",
+    "COORDINATOR_UNSUBSCRIBE",
     "ENGINE_CORE_DEAD",
+    "REPORTS_OWN_WAVES",
+    "SCALE_ELASTIC_EP",
+    "CoordinatorPublication",
     "EngineCoreEvent",
     "EngineCoreEventType",
     "EngineCoreOutput",
@@ -91,6 +97,7 @@ __all__ = [
     "RequestOutputKind",
     "SamplingKeywords",
     "SamplingParams",
+    "ScaleElasticEP",
     "SchedulerStats",
     "StartDPWave",
     "StructuredOutputsParams",
@@ -108,6 +115,25 @@ EEP_NOTIFICATION_CALL_ID: Final = -1
 
 FT_STATUS_CALL_ID: Final = -2
 """``UtilityOutput.call_id`` of fault-tolerance engine-status notifications."""
+
+COORDINATOR_SUBSCRIBE: Final = b"\x01"
+"""What a subscriber (an engine, or a front-end) sends a coordinator's XPUB socket first:
+XSUB's subscription to every topic."""
+
+COORDINATOR_UNSUBSCRIBE: Final = b"\x00"
+"""What ZeroMQ sends for a subscriber that leaves."""
+
+COORDINATOR_READY: Final = b"READY"
+"""The single frame a coordinator sends engines once every engine has subscribed."""
+
+SCALE_ELASTIC_EP: Final = "SCALE_ELASTIC_EP"
+"""The tag of :class:`ScaleElasticEP`, the only message a front-end sends a coordinator."""
+
+REPORTS_OWN_WAVES: Final = -1
+"""``EngineCoreOutputs.wave_complete`` a reference engine sends its coordinator once, when
+it connects, to say that it reports the completion of each wave itself (it has no
+collective through which rank 0 could speak for it, as vLLM's rank 0 does). vLLM's
+coordinator ignores it: no wave is numbered below 0."""
 
 
 # --------------------------------------------------------------------------- enums
@@ -687,6 +713,28 @@ class StartDPWave(msgspec.Struct, array_like=True, gc=False):
 
     wave: int
     exclude_engine_index: int | None = None
+
+
+class CoordinatorPublication(msgspec.Struct, array_like=True, gc=False):
+    """What a data-parallel coordinator publishes to front-ends: ``(counts, wave,
+    running)``.
+
+    ``counts`` holds one ``[waiting, running, kv_cache_usage]`` per engine, or is
+    ``None`` in the publication vLLM's coordinator sends at once when the wave or the
+    running state changes (only those two are news then).
+    """
+
+    counts: list[tuple[int, int, float]] | None
+    current_wave: int
+    engines_running: bool
+
+
+class ScaleElasticEP(msgspec.Struct, array_like=True, gc=False):
+    """``("SCALE_ELASTIC_EP", n)``: a front-end tells the coordinator that the group
+    now has ``new_engine_count`` engines (vLLM's elastic expert parallelism)."""
+
+    tag: str
+    new_engine_count: int
 
 
 # ------------------------------------------------------------- output-side structs

@@ -28,7 +28,6 @@ from functools import partial
 from typing import Any, Final, final
 
 import attrs
-import msgspec
 import trio
 import zmq
 
@@ -46,7 +45,9 @@ from ..config import EngineConfig
 from ..engine._coordinator import CoordinatorAddresses, run_coordinator
 from ..errors import EngineDeadError, EngineStartupError, ProtocolError, UtilityCallError
 from ..protocol import (
+    COORDINATOR_SUBSCRIBE,
     ENGINE_CORE_DEAD,
+    CoordinatorPublication,
     EngineCoreOutputs,
     EngineCoreReadyResponse,
     EngineCoreRequest,
@@ -681,10 +682,12 @@ class DPTrioMPClient(TrioMPClient):
     use their own rank, ``config.data_parallel_rank``, and share one coordinator
     (:func:`~trio_enginecore.open_coordinator`), whose addresses every client is given.
 
-    The engines of the group move through request *waves* together. The client follows
-    the coordinator's :attr:`current_wave` and :attr:`engines_running`, stamps every
-    request with the wave, and tells the coordinator when it sends a request while the
-    engines are paused, so that the other engines start the wave too.
+    The engines of a MoE group move through request *waves* together. The client
+    follows the coordinator's :attr:`current_wave` and :attr:`engines_running` and
+    stamps every request with the wave; it sends the coordinator nothing, as vLLM's
+    front-end does not: an engine that gets a request while paused has the coordinator
+    start the wave on the others. Engines that run no waves (vLLM's dense data
+    parallelism) leave both at ``(0, False)``.
     """
 
     def __init__(
@@ -716,13 +719,11 @@ class DPTrioMPClient(TrioMPClient):
 
     @property
     def engines_running(self) -> bool:
-        """Whether the engines are in a wave, as last published (or this client started
-        one since)."""
+        """Whether the engines are in a wave, as the coordinator last published."""
         return self._engines_running
 
     async def wait_wave_change(self) -> tuple[int, bool]:
-        """Wait until the coordinator publishes a different wave or running state (or
-        this client starts a wave).
+        """Wait until the coordinator publishes a different wave or running state.
 
         Returns the new ``(current_wave, engines_running)``. Cancellation leaves
         nothing changed.
@@ -752,22 +753,10 @@ class DPTrioMPClient(TrioMPClient):
     async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
         request.current_wave = self._current_wave
         await super()._transport_add(engine, request)
-        self._wake_engines(engine)
 
     def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
         request.current_wave = self._current_wave
         super()._transport_add_nowait(engine, request)
-        self._wake_engines(engine)
-
-    def _wake_engines(self, engine: EngineHandle) -> None:
-        """A request went to ``engine`` while the engines are paused: have the
-        coordinator start the wave on the others."""
-        if self._engines_running or self._subscription is None:
-            return
-        self._engines_running = True
-        message = msgspec.msgpack.encode((engine.rank, self._current_wave))
-        self._subscription.send_multipart_nowait([message])
-        self._announce_wave_change()
 
     async def _join_coordinator(self, nursery: trio.Nursery, *, launch: bool) -> None:
         if self._coordinator_addresses is None:
@@ -786,7 +775,7 @@ class DPTrioMPClient(TrioMPClient):
                 # frontend with the same key, and check it is theirs.
                 curve.as_client_of_itself().apply(sock)
             connect_address(sock, addresses.publish, role="coordinator publish address")
-            await sock.send_multipart([b"\x01"])
+            await sock.send_multipart([COORDINATOR_SUBSCRIBE])
         except BaseException:
             sock.close()
             raise
@@ -795,12 +784,13 @@ class DPTrioMPClient(TrioMPClient):
 
     async def _coordinator_loop(self, sock: TrioSocket) -> None:
         """Follow the coordinator's publications: loads, wave, running state."""
+        decoder = MsgpackDecoder(CoordinatorPublication)
         try:
             while True:
                 for frames in await sock.drain():
                     try:
-                        self._fold_publication(msgspec.msgpack.decode(frames[0]))
-                    except (msgspec.DecodeError, TypeError, ValueError, IndexError) as exc:
+                        self._fold_publication(decoder.decode(frames))
+                    except (ProtocolError, IndexError) as exc:
                         logger.error("dropping an invalid coordinator message: %s", exc)
         except trio.ClosedResourceError:
             if not self._closing:
@@ -808,18 +798,16 @@ class DPTrioMPClient(TrioMPClient):
         finally:
             sock.close()
 
-    def _fold_publication(self, publication: Any) -> None:
-        counts, wave, running = publication
-        if counts is not None:
+    def _fold_publication(self, publication: CoordinatorPublication) -> None:
+        if publication.counts is not None:
             for engine in self._engines:
-                waiting, running_reqs, kv_usage = counts[engine.rank]
-                engine.load.waiting = int(waiting)
-                engine.load.running = int(running_reqs)
-                engine.load.kv_usage = float(kv_usage)
-        new_wave, new_running = int(wave), bool(running)
-        if (new_wave, new_running) != (self._current_wave, self._engines_running):
-            self._current_wave = new_wave
-            self._engines_running = new_running
+                waiting, running, kv_usage = publication.counts[engine.rank]
+                engine.load.waiting = waiting
+                engine.load.running = running
+                engine.load.kv_usage = kv_usage
+        state = (publication.current_wave, publication.engines_running)
+        if state != (self._current_wave, self._engines_running):
+            self._current_wave, self._engines_running = state
             self._announce_wave_change()
 
     def _announce_wave_change(self) -> None:

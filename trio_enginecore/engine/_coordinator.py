@@ -1,20 +1,26 @@
 """The data-parallel coordinator: engines' request counts and the request wave.
 
-Three sockets, as vLLM's coordinator has them:
+Three sockets, as vLLM 0.33's ``DPCoordinator`` has them:
 
 * **stats** (PULL, bound): engines PUSH ``EngineCoreOutputs`` carrying their
   ``scheduler_stats`` (waiting and running counts, KV-cache usage), ``wave_complete``
   or ``start_wave``;
-* **engine publish** (XPUB, bound): engines subscribe (XSUB, ``b"\\x01"``); once all
-  of them have, the coordinator sends ``b"READY"``, and later broadcasts
-  ``[b"\\x02", msgpack((wave, exclude_engine_index))]`` (START_DP_WAVE);
-* **publish** (XPUB, bound): clients subscribe and receive
-  ``msgpack((counts, current_wave, engines_running))`` with ``counts`` one
-  ``[waiting, running, kv_usage]`` per engine: when something changed, at most every
-  ``min_interval_s``, at once for a new subscriber, and at least every ``heartbeat_s``.
-  A client that sends a request while the engines are paused also sends
-  ``msgpack((engine_index, wave))`` upstream on this socket, and the coordinator
-  starts a wave on the other engines.
+* **engine publish** (XPUB, bound): engines subscribe (XSUB,
+  :data:`~trio_enginecore.protocol.COORDINATOR_SUBSCRIBE`); once all of them have, the
+  coordinator sends :data:`~trio_enginecore.protocol.COORDINATOR_READY`, and later
+  broadcasts ``[b"\\x02", msgpack((wave, exclude_engine_index))]`` (START_DP_WAVE) when an
+  engine asks for a wave to start;
+* **publish** (XPUB, bound): front-ends subscribe and receive a
+  :class:`~trio_enginecore.protocol.CoordinatorPublication`, ``(counts, current_wave,
+  engines_running)``, with ``counts`` one ``[waiting, running, kv_usage]`` per engine:
+  when the counts changed, at most every ``min_interval_s``, at once for a new
+  subscriber, and at least every ``heartbeat_s``; and at once, with ``counts`` None,
+  when the wave or the running state changes. Front-ends send nothing but
+  :class:`~trio_enginecore.protocol.ScaleElasticEP`: only engines start waves.
+
+Engines that run no waves (vLLM's dense, non-MoE data parallelism: independent
+``EngineCoreProc`` ranks) never send ``start_wave``, so the coordinator never sends them
+START_DP_WAVE and publishes wave 0, not running, as vLLM's does for them.
 
 Invalid messages are logged and dropped; nothing a peer sends stops the coordinator.
 """
@@ -34,19 +40,26 @@ from .._addresses import bind_address
 from .._curve import CurveServer
 from .._zmq import TrioSocket, make_socket
 from ..errors import ProtocolError
-from ..protocol import EngineCoreOutputs, EngineCoreRequestType, StartDPWave
+from ..protocol import (
+    COORDINATOR_READY,
+    COORDINATOR_SUBSCRIBE,
+    COORDINATOR_UNSUBSCRIBE,
+    REPORTS_OWN_WAVES,
+    SCALE_ELASTIC_EP,
+    CoordinatorPublication,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    ScaleElasticEP,
+    StartDPWave,
+)
 from ..serial import MsgpackDecoder
 
-__all__ = ["COORDINATOR_READY", "CoordinatorAddresses", "CoordinatorState", "run_coordinator"]
+__all__ = ["CoordinatorAddresses", "CoordinatorState", "run_coordinator", "start_wave_frames"]
 
 logger = logging.getLogger("trio_enginecore.coordinator")
 
 MIN_INTERVAL_S: Final = 0.1
 HEARTBEAT_S: Final = 4.0
-COORDINATOR_READY: Final = b"READY"
-"""What the coordinator sends engines once they have all subscribed."""
-_SUBSCRIBE: Final = b"\x01"
-_UNSUBSCRIBE: Final = b"\x00"
 _START_DP_WAVE: Final = EngineCoreRequestType.START_DP_WAVE.value
 
 
@@ -92,13 +105,21 @@ class CoordinatorAddresses:
         ]
 
 
+def start_wave_frames(start: StartDPWave) -> list[bytes]:
+    """The START_DP_WAVE broadcast to engines: ``[b"\\x02", msgpack((wave, exclude))]``."""
+    return [_START_DP_WAVE, msgspec.msgpack.encode(start)]
+
+
 @attrs.define
 class CoordinatorState:
     """What the coordinator knows, and the wave rules (pure logic: no I/O).
 
-    The wave ends when every engine has reported it complete: the reference engines
-    report their own completion, where vLLM's rank 0 reports for all after an
-    all-reduce (see :mod:`trio_enginecore.engine._waves`).
+    vLLM's rules: an engine's ``start_wave`` for a later wave, or for the current one
+    while paused, starts that wave on the others; a ``wave_complete`` for the current
+    wave (or a later one) ends it. vLLM's rank 0 reports the completion for every rank
+    after an all-reduce; reference engines, which announce that they report their own
+    (:data:`~trio_enginecore.protocol.REPORTS_OWN_WAVES`), must all report it, so the
+    wave ends once rank 0 and every engine that announced itself have.
     """
 
     engines: int
@@ -106,6 +127,10 @@ class CoordinatorState:
     current_wave: int = 0
     engines_running: bool = False
     changed: bool = True
+    """The counts changed since the last publication."""
+    wave_changed: bool = False
+    """The wave or the running state changed since the last publication."""
+    _own_reporters: set[int] = attrs.field(init=False, factory=set[int])
     _completed: dict[int, set[int]] = attrs.field(init=False, factory=dict[int, set[int]])
 
     def __attrs_post_init__(self) -> None:
@@ -127,49 +152,55 @@ class CoordinatorState:
                 self.counts[index] = new
                 self.changed = True
         if message.wave_complete is not None:
-            self._wave_completed(message.wave_complete, index)
+            if message.wave_complete == REPORTS_OWN_WAVES:
+                self._own_reporters.add(index)
+            else:
+                self._wave_completed(message.wave_complete, index)
         elif message.start_wave is not None:
             wave = message.start_wave
-            # The engine got a request stamped with a finished wave while paused: the
-            # other engines must run too.
             if wave > self.current_wave or (wave == self.current_wave and not self.engines_running):
-                self._start(wave)
+                self.current_wave = wave
+                self.engines_running = True
+                self.wave_changed = True
                 return StartDPWave(wave, index)
         return None
 
-    def client_request(self, engine_index: int, wave: int) -> StartDPWave | None:
-        """A client sent a request to ``engine_index`` believing the engines paused.
-
-        Returns the START_DP_WAVE to broadcast, if the engines are indeed paused.
-        """
-        if self.engines_running:
-            return None
-        # A client behind on waves stamped its request with a finished wave: the engine
-        # that has it must be told as well.
-        exclude = engine_index if wave >= self.current_wave else None
-        self._start(self.current_wave)
-        return StartDPWave(self.current_wave, exclude)
+    def scale(self, engines: int) -> None:
+        """A front-end says the group now has ``engines`` engines (elastic EP)."""
+        if engines < 1:
+            raise ValueError(f"a group needs at least one engine, got {engines}")
+        self.counts = (self.counts + [[0, 0, 0.0] for _ in range(engines)])[:engines]
+        self.engines = engines
+        self._own_reporters = {rank for rank in self._own_reporters if rank < engines}
+        self.changed = True
 
     def publication(self) -> bytes:
-        """The message clients receive, and the end of the current change."""
-        self.changed = False
-        return msgspec.msgpack.encode((self.counts, self.current_wave, self.engines_running))
+        """The counts and wave for front-ends; the end of the current changes."""
+        self.changed = self.wave_changed = False
+        counts = [(int(w), int(r), float(kv)) for w, r, kv in self.counts]
+        return msgspec.msgpack.encode(
+            CoordinatorPublication(counts, self.current_wave, self.engines_running)
+        )
 
-    def _start(self, wave: int) -> None:
-        self.current_wave = wave
-        self.engines_running = True
-        self.changed = True
+    def wave_publication(self) -> bytes:
+        """The wave and running state alone (``counts`` None), sent at once when they
+        change, as vLLM's coordinator does; the end of the wave change."""
+        self.wave_changed = False
+        return msgspec.msgpack.encode(
+            CoordinatorPublication(None, self.current_wave, self.engines_running)
+        )
 
     def _wave_completed(self, wave: int, engine: int) -> None:
         if wave < self.current_wave:
             return  # a wave that has ended (or been overtaken) already
         done = self._completed.setdefault(wave, set())
         done.add(engine)
-        if len(done) < self.engines:
+        waiting_for = self._own_reporters | {0}
+        if not waiting_for <= done:
             return
         self.current_wave = wave + 1
         self.engines_running = False
-        self.changed = True
+        self.wave_changed = True
         for old in [w for w in self._completed if w <= wave]:
             del self._completed[old]
 
@@ -210,9 +241,7 @@ async def run_coordinator(
         logger.debug(
             "starting wave %d (excluding engine %s)", start.wave, start.exclude_engine_index
         )
-        engine_publish.send_multipart_nowait(
-            [_START_DP_WAVE, msgspec.msgpack.encode((start.wave, start.exclude_engine_index))]
-        )
+        engine_publish.send_multipart_nowait(start_wave_frames(start))
         changed.set()
 
     async def engine_messages() -> None:
@@ -225,6 +254,13 @@ async def run_coordinator(
                     logger.error("dropping an invalid engine message: %s", exc)
                     continue
                 broadcast(state.update(message))
+                if state.wave_changed:
+                    logger.debug(
+                        "wave %d, engines %s",
+                        state.current_wave,
+                        "running" if state.engines_running else "paused",
+                    )
+                    publish.send_multipart_nowait([state.wave_publication()])
                 if state.changed:
                     changed.set()
 
@@ -232,7 +268,7 @@ async def run_coordinator(
         subscribed = 0
         while True:
             frames = await engine_publish.recv_multipart()
-            if bytes(frames[0])[:1] != _SUBSCRIBE:
+            if bytes(frames[0])[:1] != COORDINATOR_SUBSCRIBE:
                 continue
             subscribed += 1
             # vLLM's engines wait for READY until every engine has subscribed; one that
@@ -241,21 +277,25 @@ async def run_coordinator(
                 engine_publish.send_multipart_nowait([COORDINATOR_READY])
 
     async def client_messages() -> None:
+        decoder = MsgpackDecoder(ScaleElasticEP)
         while True:
             frames = await publish.recv_multipart()
             message = bytes(frames[0])
-            if message[:1] in (_SUBSCRIBE, _UNSUBSCRIBE):
-                if message[:1] == _SUBSCRIBE:
+            if message[:1] in (COORDINATOR_SUBSCRIBE, COORDINATOR_UNSUBSCRIBE):
+                if message[:1] == COORDINATOR_SUBSCRIBE:
                     state.changed = True
                     changed.set()
                 continue
             try:
-                engine_index, wave = msgspec.msgpack.decode(message)
-                start = state.client_request(int(engine_index), int(wave))
-            except (msgspec.DecodeError, TypeError, ValueError) as exc:
-                logger.error("dropping an invalid client message: %s", exc)
+                scale = decoder.decode([message])
+                if scale.tag != SCALE_ELASTIC_EP:
+                    raise ProtocolError(f"unknown front-end message {scale.tag!r}")
+                state.scale(scale.new_engine_count)
+            except (ProtocolError, ValueError) as exc:
+                logger.error("dropping an invalid front-end message: %s", exc)
                 continue
-            broadcast(start)
+            logger.info("the group now has %d engines", state.engines)
+            changed.set()
 
     async def publisher() -> None:
         nonlocal changed

@@ -32,7 +32,10 @@ from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
 from ..errors import EngineStartupError, ProtocolError
 from ..protocol import (
+    COORDINATOR_READY,
+    COORDINATOR_SUBSCRIBE,
     ENGINE_CORE_DEAD,
+    REPORTS_OWN_WAVES,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -45,7 +48,6 @@ from ..protocol import (
     UtilityRequest,
 )
 from ..serial import MsgpackDecoder, MsgpackEncoder
-from ._coordinator import COORDINATOR_READY
 from ._core import EngineCore, FatalEngineError
 from ._waves import EngineWaveState
 
@@ -254,6 +256,10 @@ class EngineCoreProc:
                 self._coordinator = self._connect(
                     zmq.PUSH, addresses.coordinator_output, role="coordinator stats"
                 )
+                # No collective lets rank 0 speak for us, as vLLM's rank 0 does for its
+                # group: we report our own waves, and say so first.
+                announce = EngineCoreOutputs(engine_index=rank, wave_complete=REPORTS_OWN_WAVES)
+                await self._coordinator.send_multipart(self._encoder.encode(announce))
             if addresses.coordinator_input is not None:
                 # START_DP_WAVE broadcasts arrive like requests: an input socket.
                 inputs.append(await self._join_coordinator(addresses.coordinator_input))
@@ -367,7 +373,7 @@ class EngineCoreProc:
         """
         sock = self._connect(zmq.XSUB, address, role="coordinator waves")
         try:
-            await sock.send_multipart([b"\x01"])
+            await sock.send_multipart([COORDINATOR_SUBSCRIBE])
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) == 1 and frames[0] == COORDINATOR_READY:

@@ -2,21 +2,22 @@
 
 The engines of a data-parallel group alternate between a global *running* state and a
 global *paused* state; a *wave* is one running period, numbered from 0. A client stamps
-each request with the wave it believes current. The rules, as vLLM's engines follow
-them:
+each request with the wave it last saw published and sends nothing else: only engines
+start waves. The rules, as vLLM 0.33's ``DPEngineCoreProc`` follows them:
 
 * a request for a later wave moves the engine to that wave;
-* a request for an earlier wave reaching a paused engine means the client missed the
-  end of a wave: the engine asks the coordinator to start its current wave
-  (``start_wave``), so that the other engines run too;
+* a request reaching a paused engine makes the engine run and ask the coordinator to
+  start its current wave (``start_wave``), so that the other engines run too;
 * ``START_DP_WAVE(wave, exclude)`` from the coordinator starts ``wave`` on every engine
   but ``exclude`` (which already has the request that started it);
 * when the wave's work is done, the engine reports ``wave_complete`` and pauses.
 
 vLLM decides "done" with an all-reduce across the ranks (a torch collective) and only
-rank 0 reports; the reference engines have no collective, so each engine reports when
-it has no unfinished request of its own, and the coordinator ends the wave once every
-engine has reported it (see :class:`~trio_enginecore.engine.CoordinatorState`).
+rank 0 reports, for all of them. The reference engines have no collective: each one
+reports its own completion, after announcing once that it does so
+(:data:`~trio_enginecore.protocol.REPORTS_OWN_WAVES`), and the coordinator ends the wave
+once rank 0 and every engine that announced itself have reported it (see
+:class:`~trio_enginecore.engine.CoordinatorState`).
 """
 
 from __future__ import annotations
@@ -37,16 +38,16 @@ class EngineWaveState:
     def on_request(self, wave: int) -> int | None:
         """A request stamped with ``wave`` arrived; the engine has work now.
 
-        Returns the wave the coordinator must be asked to start (``start_wave``), or
-        ``None``.
+        Returns the wave the coordinator must be asked to start (``start_wave``): the
+        engine's current one, whenever the engine was paused; ``None`` when it was
+        already running.
         """
-        start = None
         if wave > self.current_wave:
             self.current_wave = wave
-        elif wave < self.current_wave and not self.running:
-            start = self.current_wave
+        if self.running:
+            return None
         self.running = True
-        return start
+        return self.current_wave
 
     def on_start_wave(self, wave: int, exclude: int | None) -> None:
         """The coordinator broadcast ``START_DP_WAVE(wave, exclude)``."""

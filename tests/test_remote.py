@@ -12,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,8 @@ from trio_enginecore._zmq import TrioSocket
 from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.client._remote import connectable
+from trio_enginecore.protocol import EngineHandshakeMetadata, HandshakeHello, HandshakeReady
+from trio_enginecore.serial import MsgpackDecoder, MsgpackEncoder
 
 from .support import children_of_this_process, expected, free_port
 
@@ -238,8 +240,8 @@ async def test_an_engine_with_a_key_not_allowed_is_refused_and_named(tmp_path: P
                 async with open_engine_client(config, remote=remote, ready_timeout_s=5):
                     pytest.fail("the client must not start with an unauthenticated rank")
     message = str(caught.value)
-    assert "engine rank 1 (remote) never joined" in message
-    assert "engine rank 0 joined but is not ready" in message
+    assert "engine rank 1 (remote) never said HELLO" in message
+    assert "engine rank 0 said HELLO but never READY" in message
     stranger = load_public_key(keys.stranger[0]).decode()
     assert f"public key {stranger}: public key not in the allow-list" in message
 
@@ -256,10 +258,133 @@ async def test_missing_remote_ranks_are_named_after_the_timeout() -> None:
                 ):
                     pytest.fail("two ranks are missing")
     message = str(caught.value)
-    assert "engine rank 0 (remote) never joined" in message
-    assert "engine rank 2 (remote) never joined" in message
+    assert f"engine rank 0 (remote) never said HELLO at {address}" in message
+    assert f"engine rank 2 (remote) never said HELLO at {address}" in message
     # The one that came waits for the coordinator's READY, which needs all three.
-    assert "engine rank 1 (remote) never joined" not in message
+    assert "engine rank 1 said HELLO but never READY" in message
+    assert "subscribe to the coordinator" in message
+
+
+class HandshakePeer:
+    """An engine played by hand on raw sockets, stopping at a chosen startup stage."""
+
+    def __init__(self, ctx: zmq.Context[Any], rank: int, address: str) -> None:
+        self.encoder = MsgpackEncoder()
+        self.sock = TrioSocket(ctx.socket(zmq.DEALER))
+        self.sock.raw.setsockopt(zmq.IDENTITY, rank.to_bytes(2, "little"))
+        self.sock.raw.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    async def hello(self) -> EngineHandshakeMetadata:
+        await self.sock.send_multipart(self.encoder.encode(HandshakeHello(local=False, headless=True)))
+        frames = await self.sock.recv_multipart()
+        return MsgpackDecoder(EngineHandshakeMetadata).decode(frames)
+
+    async def ready(self) -> None:
+        await self.sock.send_multipart(self.encoder.encode(HandshakeReady(local=False, headless=True)))
+
+
+@asynccontextmanager
+async def handshake_peer(rank: int, address: str) -> AsyncGenerator[HandshakePeer, None]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    peer = HandshakePeer(ctx, rank, address)
+    try:
+        yield peer
+    finally:
+        peer.sock.close()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("stage", ["hello", "ready"])
+async def test_the_startup_error_says_how_far_an_engine_got(stage: str) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    remote = RemoteEngines(address, liveness_interval_s=None)
+
+    async def engine(*, task_status: trio.TaskStatus[None]) -> None:
+        async with handshake_peer(0, address) as peer:
+            task_status.started()
+            await peer.hello()
+            if stage == "ready":
+                await peer.ready()  # ... and never connects to the input address
+            await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine)
+            with pytest.raises(EngineStartupError) as caught:
+                async with open_engine_client(EngineConfig(), remote=remote, ready_timeout_s=2):
+                    pytest.fail("the engine never finished starting")
+            nursery.cancel_scope.cancel()
+    message = str(caught.value)
+    if stage == "hello":
+        assert "engine rank 0 said HELLO but never READY: still loading its model" in message
+    else:
+        assert "engine rank 0 said READY in the handshake but its ready message never " in (message)
+        assert "at the input address tcp://127.0.0.1:" in message
+
+
+async def test_ranks_of_one_group_are_sent_where_to_meet_as_vllms_front_end_does() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    remote = RemoteEngines(address, liveness_interval_s=None, data_parallel_master_ip="127.0.0.1")
+    configs: list[dict[str, Any]] = []
+
+    async def engine(rank: int, *, task_status: trio.TaskStatus[None]) -> None:
+        async with handshake_peer(rank, address) as peer:
+            task_status.started()
+            configs.append((await peer.hello()).parallel_config)
+            await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for rank in range(2):
+                await nursery.start(engine, rank)
+            with pytest.raises(EngineStartupError):
+                async with open_engine_client(
+                    EngineConfig(data_parallel_size=2), remote=remote, ready_timeout_s=2
+                ):
+                    pytest.fail("the peers never finish starting")
+            nursery.cancel_scope.cancel()
+    # Both ranks are told the same master address and ports: vLLM's five keys.
+    assert len(configs) == 2
+    assert configs[0] == configs[1]
+    group = configs[0]
+    assert set(group) == {
+        "data_parallel_master_ip",
+        "data_parallel_master_port",
+        "_data_parallel_master_port_list",
+        "_coord_store_port",
+        "data_parallel_size",
+    }
+    assert group["data_parallel_master_ip"] == "127.0.0.1"
+    assert group["data_parallel_size"] == 2
+    assert group["_coord_store_port"] == 0
+    ports = [group["data_parallel_master_port"], *group["_data_parallel_master_port_list"]]
+    assert len(set(ports)) == 5
+
+
+async def test_ranks_that_form_no_group_are_sent_no_parallel_config() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    configs: list[dict[str, Any]] = []
+
+    async def engine(*, task_status: trio.TaskStatus[None]) -> None:
+        async with handshake_peer(0, address) as peer:
+            task_status.started()
+            configs.append((await peer.hello()).parallel_config)
+            await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine)
+            with pytest.raises(EngineStartupError, match="said HELLO but never READY"):
+                async with open_engine_client(
+                    EngineConfig(),
+                    remote=RemoteEngines(address, liveness_interval_s=None),
+                    ready_timeout_s=1,
+                ):
+                    pytest.fail("the peer never finishes starting")
+            nursery.cancel_scope.cancel()
+    # Dense vLLM ranks would take a data_parallel_size for theirs: nothing is sent.
+    assert configs == [{}]
 
 
 # ------------------------------------------------- across a network namespace
@@ -281,7 +406,7 @@ def _netns_unavailable() -> str | None:
 
 
 @pytest.fixture
-def veth_namespace() -> tuple[str, str, str]:
+def veth_namespace() -> Iterator[tuple[str, str, str]]:
     """A network namespace joined to this one by a veth pair: (netns, host ip, ns ip)."""
     reason = _netns_unavailable()
     if reason is not None:

@@ -23,7 +23,7 @@ import os
 import secrets
 import shutil
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from functools import partial
 from typing import Any, Final, final
 
@@ -135,6 +135,9 @@ class TrioMPClient(TrioClientBase):
         self._remote: RemoteEngines | None = None
         self._refusals = CurveRefusals()
         self._hellos: set[bytes] = set()
+        self._ready_messages: set[bytes] = set()
+        self._handshake_address: str | None = None
+        self._input_address: str | None = None
         self._socket_tasks: list[tuple[trio.CancelScope, trio.Event]] = []
         self._nursery: trio.Nursery | None = None
         self._a_death = trio.Event()
@@ -330,6 +333,7 @@ class TrioMPClient(TrioClientBase):
         logger.debug(
             "bound the input ROUTER at %s and the output PULL at %s", bound_input, bound_output
         )
+        self._input_address = bound_input
         handshake: TrioSocket | None = None
         timeout = trio.CancelScope()
         try:
@@ -347,6 +351,7 @@ class TrioMPClient(TrioClientBase):
                             role="client handshake, ROUTER",
                         )
                         logger.debug("bound the handshake ROUTER at %s", handshake_address)
+                        self._handshake_address = handshake_address
                         await self._launch_engines(
                             nursery, local, handshake_address, local_arguments
                         )
@@ -359,6 +364,7 @@ class TrioMPClient(TrioClientBase):
             # cancellation), the handshake socket is not needed any more.
             self._startup_scope = None
             if handshake is not None:
+                self._note_queued_handshake_readies(handshake)
                 handshake.close()
         if timeout.cancelled_caught or scope.cancelled_caught:
             raise await self._startup_error(ready_timeout_s, bool(timeout.cancelled_caught))
@@ -462,39 +468,71 @@ class TrioMPClient(TrioClientBase):
     async def _startup_error(self, timeout_s: float, timed_out: bool) -> EngineStartupError:
         details: list[str] = []
         for engine in self._engines:
-            if engine.ready is not None and engine.alive:
+            if engine.identity in self._ready_messages and engine.alive:
                 continue
             if engine.process is not None and engine.process.returncode is not None:
                 with trio.move_on_after(1):
                     await engine.stderr_done.wait()
-            if engine.process is not None or not engine.alive:
+            if not engine.alive or (
+                engine.process is not None and engine.process.returncode is not None
+            ):
                 details.append(engine.exit_description())
-            elif self._remote is not None and engine.identity not in self._hellos:
-                details.append(
-                    f"engine rank {engine.rank} (remote) never joined through "
-                    f"{self._remote.handshake_address}"
-                )
-            elif engine.identity in self._hellos and self._coordinator_addresses is not None:
-                details.append(
-                    f"engine rank {engine.rank} joined but is not ready (an engine with a "
-                    "coordinator waits until every rank of its group has joined)"
-                )
             else:
-                details.append(f"engine rank {engine.rank} never sent its ready message")
+                details.append(self._startup_stage(engine))
         if self._refusals:
             details.append(self._refusals.describe())
         what = f"not ready within {timeout_s:g} s" if timed_out else "failed to start"
         return EngineStartupError(f"engine {what}: " + " | ".join(details))
 
+    def _startup_stage(self, engine: EngineHandle) -> str:
+        """How far a live engine got in the startup, and what it is waiting for."""
+        name = f"engine rank {engine.rank}"
+        if self._handshake_address is None:  # attached: no handshake
+            return (
+                f"{name} never sent its ready message: no engine with its identity "
+                f"connected to the input address {self._input_address} (is it running, "
+                "and given this address?)"
+            )
+        if engine.identity not in self._hellos:
+            where = "(remote) " if engine.process is None else ""
+            return (
+                f"{name} {where}never said HELLO at {self._handshake_address} (still "
+                "starting, or it cannot reach that address)"
+            )
+        if engine.identity not in self._handshake_ready:
+            waiting = ["loading its model and sizing its KV cache"]
+            if self._coordinator_addresses is not None:
+                waiting.append("for every rank of its group to subscribe to the coordinator")
+            if self.config.data_parallel_size > 1:
+                hint = ""
+                if self._remote is not None and self._remote.data_parallel_master_ip is None:
+                    hint = (
+                        " (vLLM MoE ranks started by separate launchers meet only "
+                        "where the client tells them: RemoteEngines("
+                        "data_parallel_master_ip=...))"
+                    )
+                waiting.append(f"for its data-parallel group to form{hint}")
+            return f"{name} said HELLO but never READY: still " + ", or ".join(waiting)
+        return (
+            f"{name} said READY in the handshake but its ready message never arrived at "
+            f"the input address {self._input_address} (it could not connect there)"
+        )
+
     async def _handshake(self, sock: TrioSocket, input_address: str, output_address: str) -> None:
         decoder: MsgpackDecoder[HandshakeHello | HandshakeReady] = MsgpackDecoder(HandshakeMessage)
+        group = (
+            self._remote.group_parallel_config(self.config.data_parallel_size)
+            if self._remote is not None
+            else {}
+        )
         metadata = self._encoder.encode(
             EngineHandshakeMetadata(
                 addresses=EngineZmqAddresses(
                     inputs=[input_address],
                     outputs=[output_address],
                     **self._coordinator_fields(),
-                )
+                ),
+                parallel_config=group,
             )
         )
         waiting = {engine.identity: engine for engine in self._engines}
@@ -523,6 +561,19 @@ class TrioMPClient(TrioClientBase):
             )
             await sock.send_multipart([engine.identity, *metadata])
 
+    def _note_queued_handshake_readies(self, sock: TrioSocket) -> None:
+        """Record the READYs already queued on the handshake socket (unread when the
+        startup stops early), so that a startup error says how far each engine got."""
+        decoder: MsgpackDecoder[HandshakeHello | HandshakeReady] = MsgpackDecoder(HandshakeMessage)
+        while not sock.closed:
+            try:
+                identity, *payload = sock.raw.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with suppress(ProtocolError):
+                if isinstance(decoder.decode(payload), HandshakeReady):
+                    self._handshake_ready.add(bytes(identity))
+
     async def _wait_handshake_ready(self, sock: TrioSocket) -> None:
         decoder: MsgpackDecoder[HandshakeHello | HandshakeReady] = MsgpackDecoder(HandshakeMessage)
         waiting = {engine.identity for engine in self._engines} - self._handshake_ready
@@ -549,6 +600,7 @@ class TrioMPClient(TrioClientBase):
             if engine is None:
                 logger.warning("ignoring a ready message from unexpected identity %r", identity)
                 continue
+            self._ready_messages.add(identity)
             if len(payload):
                 try:
                     engine.ready = decoder.decode(payload)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import socket
 from typing import Any, Final
 
 import attrs
@@ -35,6 +36,21 @@ def connectable(address: str) -> str:
     if host in ("::", "[::]"):
         return f"tcp://[::1]:{port}"
     return address
+
+
+def free_tcp_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on this host now (held open together while
+    chosen, so that none is picked twice)."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _positive_or_none(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -80,6 +96,20 @@ class RemoteEngines:
             is declared dead: its requests fail with ``EngineDeadError`` and the
             client fails as with a launched engine's death. Keep it well above your
             engines' longest step: an engine answers between steps.
+        data_parallel_master_ip: for ranks that form one torch data-parallel group
+            (vLLM's MoE data parallelism, ``DPEngineCoreProc``) and were started by
+            separate launchers (one ``vllm serve --headless`` per host): the address,
+            on rank 0's host, where the group meets (vLLM's ``--data-parallel-address``).
+            The client then sends every rank, in the handshake, the group's master
+            address and ports, as vLLM's front-end does; without them each launcher
+            picks its own ports and the group never forms. Leave it ``None`` for the
+            reference engines, for dense (non-MoE) vLLM ranks (which are independent,
+            and must not be sent a group), and for ranks of one launcher (which share
+            its choice).
+        data_parallel_master_port: the group's master port; ``None``: a free port of
+            this host, with four more for the group's later collectives, chosen
+            when the client starts (rank 0 must then run on this host, or those ports
+            be free on its host too).
     """
 
     handshake_address: str
@@ -90,6 +120,10 @@ class RemoteEngines:
     all_interfaces: bool = False
     liveness_interval_s: float | None = attrs.field(default=5.0, validator=_positive_or_none)
     liveness_timeout_s: float = attrs.field(default=15.0, validator=_positive)
+    data_parallel_master_ip: str | None = None
+    data_parallel_master_port: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
 
     def __attrs_post_init__(self) -> None:
         host, _ = _split_tcp(self.handshake_address)
@@ -100,6 +134,23 @@ class RemoteEngines:
             )
         if host.startswith("["):
             ipaddress.IPv6Address(host.strip("[]"))  # raises ValueError naming the host
+
+    def group_parallel_config(self, data_parallel_size: int) -> dict[str, int | str | list[int]]:
+        """The ``parallel_config`` of the handshake's init message for these engines:
+        empty unless they form a torch group (``data_parallel_master_ip``), else what
+        vLLM's front-end sends coordinated ranks. Each call picks new free ports."""
+        if self.data_parallel_master_ip is None:
+            return {}
+        ports = free_tcp_ports(5 if self.data_parallel_master_port is None else 4)
+        master = self.data_parallel_master_port or ports.pop()
+        return {
+            "data_parallel_master_ip": self.data_parallel_master_ip,
+            "data_parallel_master_port": master,
+            "_data_parallel_master_port_list": ports,
+            # Only elastic EP needs vLLM's coordination store; 0 says there is none.
+            "_coord_store_port": 0,
+            "data_parallel_size": data_parallel_size,
+        }
 
     def joining(self, ranks: range) -> frozenset[int]:
         """Which of a client's ``ranks`` join from elsewhere.

@@ -40,6 +40,7 @@ from .._curve import (
     run_zap_handler,
     write_key_pair,
 )
+from .._listeners import ListenerFd, bind_all
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
 from ..engine._coordinator import CoordinatorAddresses, run_coordinator
@@ -178,6 +179,11 @@ class TrioMPClient(TrioClientBase):
         """The data-parallel clients subscribe to a coordinator (launching one if asked)."""
         await trio.lowlevel.checkpoint()
 
+    async def _join_announced_coordinator(self, nursery: trio.Nursery) -> None:
+        """Attached data-parallel clients given no coordinator follow the one the
+        engines' ready messages name (``dp_stats_address``), as vLLM's client does."""
+        await trio.lowlevel.checkpoint()
+
     def _coordinator_fields(self) -> dict[str, str]:
         """The coordinator's addresses, for the handshake metadata."""
         addresses = self._coordinator_addresses
@@ -285,8 +291,8 @@ class TrioMPClient(TrioClientBase):
         self,
         nursery: trio.Nursery,
         *,
-        input_address: str | None,
-        output_address: str | None,
+        input_address: str | ListenerFd | None,
+        output_address: str | ListenerFd | None,
         ready_timeout_s: float,
         remote: RemoteEngines | None = None,
     ) -> None:
@@ -328,8 +334,13 @@ class TrioMPClient(TrioClientBase):
         assert output_address is not None
         self._input = self._server_socket(zmq.ROUTER)
         self._output = self._server_socket(zmq.PULL)
-        bound_input = bind_address(self._input, input_address, role="client input, ROUTER")
-        bound_output = bind_address(self._output, output_address, role="client output, PULL")
+        # Checks any listener descriptors before binding either socket (_listeners.py).
+        bound_input, bound_output = bind_all(
+            [
+                (self._input, input_address, "client input, ROUTER"),
+                (self._output, output_address, "client output, PULL"),
+            ]
+        )
         logger.debug(
             "bound the input ROUTER at %s and the output PULL at %s", bound_input, bound_output
         )
@@ -357,6 +368,8 @@ class TrioMPClient(TrioClientBase):
                         )
                         await self._handshake(handshake, bound_input, bound_output)
                     await self._wait_ready()
+                    if attach:
+                        await self._join_announced_coordinator(nursery)
                     if handshake is not None:
                         await self._wait_handshake_ready(handshake)
         finally:
@@ -689,8 +702,8 @@ class TrioMPClient(TrioClientBase):
 async def open_trio_mp_client(
     config: EngineConfig,
     *,
-    input_address: str | None = None,
-    output_address: str | None = None,
+    input_address: str | ListenerFd | None = None,
+    output_address: str | ListenerFd | None = None,
     ready_timeout_s: float = 60.0,
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
@@ -816,17 +829,32 @@ class DPTrioMPClient(TrioMPClient):
                 await trio.lowlevel.checkpoint()
                 return
             raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
-        await self._subscribe(nursery, self._coordinator_addresses)
+        await self._subscribe(nursery, self._coordinator_addresses.publish)
 
-    async def _subscribe(self, nursery: trio.Nursery, addresses: CoordinatorAddresses) -> None:
+    async def _join_announced_coordinator(self, nursery: trio.Nursery) -> None:
+        announced = {e.ready.dp_stats_address for e in self._engines if e.ready is not None}
+        announced.discard(None)
+        if self._subscription is not None or not announced:
+            await trio.lowlevel.checkpoint()
+            return
+        if len(announced) > 1:
+            raise EngineStartupError(
+                f"the engines name different coordinators: {sorted(map(str, announced))}"
+            )
+        (address,) = announced
+        assert address is not None
+        logger.debug("following the coordinator the engines named, at %s", address)
+        await self._subscribe(nursery, address)
+
+    async def _subscribe(self, nursery: trio.Nursery, publish_address: str) -> None:
         sock = make_socket(self._ctx, zmq.XSUB)
         try:
             curve = self._remote.curve if self._remote is not None else None
-            if curve is not None and addresses.publish.startswith("tcp://"):
+            if curve is not None and publish_address.startswith("tcp://"):
                 # A shared coordinator holds the frontends' key pair: we prove we are a
                 # frontend with the same key, and check it is theirs.
                 curve.as_client_of_itself().apply(sock)
-            connect_address(sock, addresses.publish, role="coordinator publish address")
+            connect_address(sock, publish_address, role="coordinator publish address")
             await sock.send_multipart([COORDINATOR_SUBSCRIBE])
         except BaseException:
             sock.close()
@@ -951,7 +979,7 @@ class DPLBTrioMPClient(DPTrioMPClient):
                 ),
             )
             self._coordinator_addresses = addresses
-        await self._subscribe(nursery, addresses)
+        await self._subscribe(nursery, addresses.publish)
 
 
 def _new_client(
@@ -996,8 +1024,8 @@ async def connect_engine_client(
     nursery: trio.Nursery,
     config: EngineConfig | None = None,
     *,
-    input_address: str | None = None,
-    output_address: str | None = None,
+    input_address: str | ListenerFd | None = None,
+    output_address: str | ListenerFd | None = None,
     ready_timeout_s: float = 60.0,
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,

@@ -1,0 +1,320 @@
+"""Our client drives vLLM 0.33's real engine cores in data parallel 2.
+
+Dense ranks (the llama config: independent ``EngineCoreProc`` s) and MoE ranks (the
+mixtral config: ``DPEngineCoreProc`` s in lockstep, a gloo all-reduce deciding when a
+request wave ends), every way the client meets them:
+
+- ``headless``: one vLLM launcher (``CoreEngineProcManager(local_client=False)``) starts
+  both ranks, which join our client's handshake; our coordinator (a task of the client);
+- ``per-rank``: one headless launcher per rank, as two hosts run them; the ranks of a MoE
+  group meet where the client's handshake tells them (``data_parallel_master_ip``);
+- ``attach``: our client binds its ROUTER and PULL and vLLM's supervisor
+  (``launch_core_engines``) starts the engines and vLLM's own ``DPCoordinator``, which
+  the client follows from the address in the engines' ready messages.
+
+For each: ready; 64 exact streams over both engines ending on LENGTH and STOP; half of 64
+more cancelled mid-way, and vLLM's schedulers finished exactly those ids, each on the
+engine that had it; the typed utility wrappers; for MoE, the waves the client sees are
+vLLM's (0, True), (1, False), (1, True), (2, False); for dense, no wave at all. No ERROR
+line in vLLM's logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from trio_enginecore import (
+    EngineConfig,
+    EngineCoreRequest,
+    EngineStartupError,
+    FinishReason,
+    RemoteEngines,
+    open_engine_client,
+)
+from trio_enginecore.client import DPLBTrioMPClient
+
+from ..support import expected, free_port
+from .support import VllmProcess, error_lines, require_vllm
+
+require_vllm()
+
+MODES = [
+    ("headless", "llama"),
+    ("headless", "mixtral"),
+    ("per-rank", "llama"),
+    ("per-rank", "mixtral"),
+    ("attach", "llama"),
+    ("attach", "mixtral"),
+]
+
+
+@dataclass
+class VllmGroup:
+    client: DPLBTrioMPClient
+    launchers: list[VllmProcess]
+    ready_s: float
+    pids: list[int]
+    waves: list[tuple[int, bool]] = field(default_factory=list[tuple[int, bool]])
+
+    async def rpc_all(self, method: str, *args: Any) -> list[Any]:
+        """``collective_rpc`` of each engine's fake executor, by rank."""
+        results = await self.client.call_utility_all("collective_rpc", method, None, list(args))
+        assert all(isinstance(result, list) and len(result) == 1 for result in results)
+        return [result[0] for result in results]
+
+    def logs(self) -> str:
+        return "\n".join(launcher.log() for launcher in self.launchers)
+
+
+@asynccontextmanager
+async def vllm_group(mode: str, model: str, tmp_path: Path) -> AsyncIterator[VllmGroup]:
+    """Two vLLM engine cores of ``model`` started by ``mode``'s launchers, and our
+    client, ready, its view of the waves logged."""
+    config = EngineConfig(data_parallel_size=2)
+    client_args: dict[str, Any]
+    scripts: list[tuple[str, list[str]]]
+    if mode == "attach":
+        inputs, outputs = f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output"
+        dp = ["--data-parallel-size", "2", "--model", model]
+        scripts = [
+            ("launch_attach.py", ["--input-address", inputs, "--output-address", outputs, *dp])
+        ]
+        client_args = {"input_address": inputs, "output_address": outputs}
+    else:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        common = ["--handshake-address", address, "--model", model, "--data-parallel-size", "2"]
+        if mode == "headless":
+            scripts = [("launch_headless.py", [*common, "--local-engines", "2"])]
+        else:
+            scripts = [
+                ("launch_headless.py", [*common, "--data-parallel-rank", str(rank)])
+                for rank in range(2)
+            ]
+        remote = RemoteEngines(
+            address,
+            liveness_interval_s=None,
+            # One launcher per rank: a MoE group meets where we tell it.
+            data_parallel_master_ip="127.0.0.1"
+            if mode == "per-rank" and model == "mixtral"
+            else None,
+        )
+        client_args = {"remote": remote}
+    async with _launchers(scripts, tmp_path) as launchers:
+        start = trio.current_time()
+        try:
+            async with open_engine_client(config, ready_timeout_s=120, **client_args) as client:
+                assert isinstance(client, DPLBTrioMPClient)
+                ready_s = trio.current_time() - start
+                pids: list[int] = []
+                for launcher in launchers:
+                    started = await trio.to_thread.run_sync(launcher.next_report, 30)
+                    assert started["event"] == "started", started
+                    pids += started["pids"]
+                group = VllmGroup(client, launchers, ready_s, pids)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_log_waves, group)
+                    yield group
+                    nursery.cancel_scope.cancel()
+        except EngineStartupError as exc:
+            tails = "\n".join(launcher.log_tail() for launcher in launchers)
+            raise AssertionError(f"{exc}\nvLLM's logs end:\n{tails}") from exc
+
+
+@asynccontextmanager
+async def _launchers(
+    scripts: list[tuple[str, list[str]]], tmp_path: Path
+) -> AsyncIterator[list[VllmProcess]]:
+    launchers: list[VllmProcess] = []
+    try:
+        for i, (script, args) in enumerate(scripts):
+            launchers.append(VllmProcess(script, args, tmp_path / f"vllm-{i}.log"))
+        yield launchers
+    finally:
+        for launcher in launchers:
+            launcher.stop()
+
+
+async def _log_waves(group: VllmGroup) -> None:
+    while True:
+        group.waves.append(await group.client.wait_wave_change())
+
+
+async def _generate(client: DPLBTrioMPClient, request: EngineCoreRequest) -> tuple[list[int], Any]:
+    tokens: list[int] = []
+    finish = None
+    async with client.stream(request) as outputs:
+        async for output in outputs:
+            tokens += output.new_token_ids
+            finish = output.finish_reason
+    return tokens, finish
+
+
+async def _wave_state(group: VllmGroup, wanted: tuple[int, bool]) -> None:
+    with trio.fail_after(20):
+        while (group.client.current_wave, group.client.engines_running) != wanted:
+            await trio.sleep(0.02)
+
+
+@pytest.mark.parametrize(("mode", "model"), MODES)
+async def test_data_parallel_2(
+    mode: str, model: str, tmp_path: Path, timings: dict[str, float]
+) -> None:
+    moe = model == "mixtral"
+    async with vllm_group(mode, model, tmp_path) as group:
+        client = group.client
+        timings[f"time to ready, DP 2 {model} {mode}"] = group.ready_s
+        for rank, ready in enumerate(client.engines):
+            assert ready is not None
+            assert ready.vllm_version == "0.33.0"
+            assert ready.data_parallel_rank == rank
+        assert sorted(await group.rpc_all("executor_pid")) == sorted(group.pids)
+        assert (client.current_wave, client.engines_running) == (0, False)
+
+        # 64 concurrent streams, exact tokens, over both engines.
+        results: dict[str, tuple[list[int], Any]] = {}
+        wanted: dict[str, tuple[list[int], FinishReason]] = {}
+
+        async def one(i: int) -> None:
+            prompt = [1000 + 50 * i, 1001 + 50 * i]
+            if i % 2:
+                request = EngineCoreRequest.for_tokens(
+                    prompt, request_id=f"length-{i}", max_tokens=16 + i
+                )
+                wanted[request.request_id] = (expected(prompt, 16 + i), FinishReason.LENGTH)
+            else:
+                stop = prompt[-1] + 3 + i % 11
+                request = EngineCoreRequest.for_tokens(
+                    prompt, request_id=f"stop-{i}", max_tokens=100, stop_token_ids=[stop]
+                )
+                wanted[request.request_id] = (
+                    expected(prompt, stop - prompt[-1]),
+                    FinishReason.STOP,
+                )
+            results[request.request_id] = await _generate(client, request)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(64):
+                nursery.start_soon(one, i)
+        assert results == wanted
+        scheduled = await group.rpc_all("scheduled_request_ids")
+        assert all(scheduled), f"an engine got no request: {scheduled}"
+        assert set(scheduled[0]) | set(scheduled[1]) == set(wanted)
+        assert not set(scheduled[0]) & set(scheduled[1])
+        if moe:
+            await _wave_state(group, (1, False))
+
+        # 64 more, slower: half cancelled mid-way; each engine's scheduler finishes
+        # exactly the cancelled ids it had, while the others still run.
+        await group.rpc_all("clear_request_log")
+        await group.rpc_all("set_step_delay", 0.01)
+        cancelled = {f"cancel-{i}" for i in range(32)}
+        kept: dict[str, tuple[list[int], Any]] = {}
+        all_cancelled = trio.Event()
+        cancels_left = len(cancelled)
+
+        async def cancel_midway(request_id: str, prompt: list[int]) -> None:
+            nonlocal cancels_left
+            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=1000)
+            received = 0
+            async with client.stream(request) as outputs:
+                async for output in outputs:
+                    assert output.finish_reason is None
+                    received += len(output.new_token_ids)
+                    if received >= 5:
+                        break
+            cancels_left -= 1
+            if not cancels_left:
+                all_cancelled.set()
+
+        async def keep(request_id: str, prompt: list[int]) -> None:
+            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=300)
+            kept[request_id] = await _generate(client, request)
+
+        finished: list[list[str]] = [[], []]
+        async with trio.open_nursery() as nursery:
+            for i in range(32):
+                nursery.start_soon(cancel_midway, f"cancel-{i}", [5000 + i])
+                nursery.start_soon(keep, f"keep-{i}", [9000 + i])
+            with trio.fail_after(30):
+                await all_cancelled.wait()
+                while set(finished[0]) | set(finished[1]) != cancelled:
+                    finished = await group.rpc_all("finished_request_ids")
+                    assert len(kept) == 0, "the kept requests finished too early"
+                    await trio.sleep(0.05)
+        scheduled = await group.rpc_all("scheduled_request_ids")
+        for rank in range(2):
+            # An abort reached the engine that had the request, and only that one.
+            assert set(finished[rank]) == cancelled & set(scheduled[rank])
+        assert kept == {
+            f"keep-{i}": (expected([9000 + i], 300), FinishReason.LENGTH) for i in range(32)
+        }
+        assert client.statistics().requests_in_flight == 0
+        await group.rpc_all("set_step_delay", 0)
+        if moe:
+            await _wave_state(group, (2, False))
+
+        # The typed utilities, answered by both engines, which must agree.
+        assert await client.is_sleeping() is False
+        assert await client.reset_prefix_cache() is True
+        assert await client.get_supported_tasks() == ("generate",)
+        assert await client.list_loras() == set()
+        await client.set_weight_version("v7")
+        assert await client.get_weight_version() == "v7"
+        request = EngineCoreRequest.for_tokens([41], max_tokens=4)
+        assert await _generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
+        if moe:
+            await _wave_state(group, (3, False))
+    if moe:
+        # What vLLM's coordinator publishes for three waves, in order.
+        assert group.waves == [(0, True), (1, False), (1, True), (2, False), (2, True), (3, False)]
+    else:
+        # Dense ranks run no waves: nothing to see, and no START_DP_WAVE sent them.
+        assert group.waves == []
+        assert "Unrecognized input request type" not in group.logs()
+    assert error_lines(group.logs()) == []
+
+
+def test_moe_ranks_of_separate_launchers_told_nothing_never_form_their_group(
+    tmp_path: Path,
+) -> None:
+    """What the handshake's parallel_config fixes: without it each launcher picks its
+    own ports for the group, the ranks never meet, and the startup error says so."""
+
+    async def main() -> None:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        scripts = [
+            (
+                "launch_headless.py",
+                [
+                    "--handshake-address",
+                    address,
+                    "--model",
+                    "mixtral",
+                    "--data-parallel-size",
+                    "2",
+                    "--data-parallel-rank",
+                    str(rank),
+                ],
+            )
+            for rank in range(2)
+        ]
+        async with _launchers(scripts, tmp_path):
+            remote = RemoteEngines(address, liveness_interval_s=None)
+            with pytest.raises(EngineStartupError) as caught:
+                async with open_engine_client(
+                    EngineConfig(data_parallel_size=2), remote=remote, ready_timeout_s=60
+                ):
+                    pytest.fail("a MoE group whose ranks were told nothing cannot form")
+        message = str(caught.value)
+        for rank in range(2):
+            assert f"engine rank {rank} said HELLO but never READY" in message
+        assert "RemoteEngines(data_parallel_master_ip=...)" in message
+
+    trio.run(main)  # by hand: pytest-trio would wrap the exception in a group

@@ -11,6 +11,7 @@ from ._curve import (
     CurveServer as CurveServer,
     write_key_pair as write_key_pair,
 )
+from ._listeners import ListenerFd as ListenerFd
 from .client import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
@@ -92,6 +93,7 @@ __all__ = [
     "HandshakeMessage",
     "HandshakeReady",
     "InprocClient",
+    "ListenerFd",
     "LoRARequest",
     "MsgpackDecoder",
     "MsgpackEncoder",

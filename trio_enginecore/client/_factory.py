@@ -6,6 +6,7 @@ import enum
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, overload
 
+from .._listeners import ListenerFd
 from ..config import EngineConfig
 from ..engine._coordinator import CoordinatorAddresses
 from ._base import TrioClientBase
@@ -66,8 +67,8 @@ def open_engine_client(
     config: EngineConfig | None = None,
     *,
     multiprocess: Literal[True] = True,
-    input_address: str | None = None,
-    output_address: str | None = None,
+    input_address: str | ListenerFd | None = None,
+    output_address: str | ListenerFd | None = None,
     ready_timeout_s: float = 60.0,
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
@@ -100,8 +101,8 @@ def open_engine_client(
     config: EngineConfig | None = None,
     *,
     multiprocess: bool,
-    input_address: str | None = None,
-    output_address: str | None = None,
+    input_address: str | ListenerFd | None = None,
+    output_address: str | ListenerFd | None = None,
     ready_timeout_s: float = 60.0,
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
@@ -116,8 +117,8 @@ def open_engine_client(
     config: EngineConfig | None = None,
     *,
     multiprocess: bool = True,
-    input_address: str | None = None,
-    output_address: str | None = None,
+    input_address: str | ListenerFd | None = None,
+    output_address: str | ListenerFd | None = None,
     ready_timeout_s: float = 60.0,
     shutdown_timeout_s: float = 5.0,
     max_pending_outputs: int = 64,
@@ -151,8 +152,11 @@ def open_engine_client(
     Args:
         config: the engine configuration (default: ``EngineConfig()``).
         multiprocess: run the engine in its own process (True) or in this one.
-        input_address: attach mode: the address to bind the request ROUTER on.
-        output_address: attach mode: the address to bind the output PULL on.
+        input_address: attach mode: the address to bind the request ROUTER on, or a
+            :class:`~trio_enginecore.ListenerFd`: a listening socket bound by another
+            process, which the client adopts (and then owns) instead of binding.
+        output_address: attach mode: the address to bind the output PULL on, or a
+            :class:`~trio_enginecore.ListenerFd`.
         ready_timeout_s: how long engines may take to become ready.
         shutdown_timeout_s: how long launched engines may take to exit.
         max_pending_outputs: messages kept for ``get_output()`` before they are
@@ -171,6 +175,8 @@ def open_engine_client(
     Raises:
         EngineStartupError: an engine failed to start or was not ready in time; the
             message names the engine and includes its exit code and last stderr lines.
+            Its subclass :exc:`~trio_enginecore.errors.AddressError`: an address could
+            not be bound, or a ``ListenerFd`` is not a listening stream socket.
         NotImplementedError: a configuration whose client is not available yet
             (see :func:`~trio_enginecore.client.select_client_kind`).
         ValueError: attach addresses with ``multiprocess=False``; external load

@@ -21,8 +21,10 @@ line in vLLM's logs.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ import trio
 from trio_enginecore import (
     EngineConfig,
     EngineCoreRequest,
+    EngineDeadError,
     EngineStartupError,
     FinishReason,
     RemoteEngines,
@@ -74,7 +77,9 @@ class VllmGroup:
 
 
 @asynccontextmanager
-async def vllm_group(mode: str, model: str, tmp_path: Path) -> AsyncIterator[VllmGroup]:
+async def vllm_group(
+    mode: str, model: str, tmp_path: Path, *, liveness: tuple[float, float] | None = None
+) -> AsyncIterator[VllmGroup]:
     """Two vLLM engine cores of ``model`` started by ``mode``'s launchers, and our
     client, ready, its view of the waves logged."""
     config = EngineConfig(data_parallel_size=2)
@@ -99,7 +104,8 @@ async def vllm_group(mode: str, model: str, tmp_path: Path) -> AsyncIterator[Vll
             ]
         remote = RemoteEngines(
             address,
-            liveness_interval_s=None,
+            liveness_interval_s=liveness[0] if liveness else None,
+            liveness_timeout_s=liveness[1] if liveness else 15.0,
             # One launcher per rank: a MoE group meets where we tell it.
             data_parallel_master_ip="127.0.0.1"
             if mode == "per-rank" and model == "mixtral"
@@ -142,8 +148,9 @@ async def _launchers(
 
 
 async def _log_waves(group: VllmGroup) -> None:
-    while True:
-        group.waves.append(await group.client.wait_wave_change())
+    with suppress(EngineDeadError, trio.ClosedResourceError):  # the group's end
+        while True:
+            group.waves.append(await group.client.wait_wave_change())
 
 
 async def _generate(client: DPLBTrioMPClient, request: EngineCoreRequest) -> tuple[list[int], Any]:
@@ -318,3 +325,47 @@ def test_moe_ranks_of_separate_launchers_told_nothing_never_form_their_group(
         assert "RemoteEngines(data_parallel_master_ip=...)" in message
 
     trio.run(main)  # by hand: pytest-trio would wrap the exception in a group
+
+
+@pytest.mark.parametrize(("mode", "death"), [("per-rank", "kill -9"), ("attach", "fatal error")])
+def test_a_dead_moe_rank_is_engine_dead(
+    mode: str, death: str, tmp_path: Path, timings: dict[str, float]
+) -> None:
+    trio.run(_dead_moe_rank, mode, death, tmp_path, timings)  # by hand, as above
+
+
+async def _dead_moe_rank(mode: str, death: str, tmp_path: Path, timings: dict[str, float]) -> None:
+    with pytest.raises(EngineDeadError):
+        async with vllm_group(mode, "mixtral", tmp_path, liveness=(1.0, 3.0)) as group:
+            client = group.client
+            await group.rpc_all("set_step_delay", 0.01)
+            pids = await group.rpc_all("executor_pid")
+            flowing = trio.Event()
+            failures: list[float] = []
+            started_at = 0.0
+
+            async def doomed(i: int) -> None:
+                request = EngineCoreRequest.for_tokens([i], max_tokens=1000, data_parallel_rank=1)
+                with pytest.raises(EngineDeadError):
+                    async with client.stream(request) as outputs:
+                        async for _ in outputs:
+                            flowing.set()
+                failures.append(trio.current_time() - started_at)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(doomed, i)
+                await flowing.wait()
+                started_at = trio.current_time()
+                if death == "kill -9":
+                    os.kill(pids[1], signal.SIGKILL)  # rank 0 then hangs in its all-reduce
+                else:
+                    # The fault fires in the engines' next step: its reply may not make it.
+                    with suppress(EngineDeadError):
+                        await client.call_utility_all("collective_rpc", "arm_fault", None, [])
+                with trio.fail_after(20):
+                    while len(failures) < 4:
+                        await trio.sleep(0.05)
+            timings[f"{death} of a MoE rank -> EngineDeadError, DP 2 {mode}"] = max(failures)
+            with pytest.raises(EngineDeadError):
+                await client.is_sleeping()

@@ -276,12 +276,16 @@ class HandshakePeer:
         self.sock.connect(address)
 
     async def hello(self) -> EngineHandshakeMetadata:
-        await self.sock.send_multipart(self.encoder.encode(HandshakeHello(local=False, headless=True)))
+        await self.sock.send_multipart(
+            self.encoder.encode(HandshakeHello(local=False, headless=True))
+        )
         frames = await self.sock.recv_multipart()
         return MsgpackDecoder(EngineHandshakeMetadata).decode(frames)
 
     async def ready(self) -> None:
-        await self.sock.send_multipart(self.encoder.encode(HandshakeReady(local=False, headless=True)))
+        await self.sock.send_multipart(
+            self.encoder.encode(HandshakeReady(local=False, headless=True))
+        )
 
 
 @asynccontextmanager

@@ -29,6 +29,7 @@ from trio_enginecore import (
     EngineDeadError,
     EngineStartupError,
     FinishReason,
+    Liveness,
     TrioMPClient,
     UtilityCallError,
     connect_engine_client,
@@ -441,6 +442,68 @@ async def test_kill_9_fails_every_waiter_promptly_and_the_block_raises_one_error
     assert "killed by signal 9" in str(info.value)
     assert children_of_this_process() == []
     assert open_fds() - fds_before == set()
+
+
+@pytest.mark.parametrize("fate", ["killed", "hung"])
+async def test_an_attached_engine_killed_or_hung_fails_its_requests_after_the_checks(
+    fate: str,
+) -> None:
+    # No child process of ours to watch: the liveness checks are all that notice.
+    tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
+    inp, out = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    command = serve_command("--input-address", inp, "--output-address", out, "--step-time-s=0.01")
+    liveness = Liveness(interval_s=0.3, timeout_s=1.0)
+    failures: list[float] = []
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(partial(trio.run_process, command, check=False))
+        try:
+            with trio.fail_after(30), pytest.raises(EngineDeadError) as info:
+                async with open_engine_client(
+                    EngineConfig(), input_address=inp, output_address=out, liveness=liveness
+                ) as client:
+                    flowing = trio.Event()
+
+                    async def doomed(i: int) -> None:
+                        request = EngineCoreRequest.for_tokens([i], max_tokens=100_000)
+                        with pytest.raises(EngineDeadError):
+                            async with client.stream(request) as outputs:
+                                async for _ in outputs:
+                                    flowing.set()
+                        failures.append(trio.current_time() - stopped_at)
+
+                    async with trio.open_nursery() as requests:
+                        for i in range(4):
+                            requests.start_soon(doomed, i)
+                        await flowing.wait()
+                        stopped_at = trio.current_time()
+                        process.send_signal(signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
+        finally:
+            process.kill()
+            if fate == "hung":
+                process.send_signal(signal.SIGCONT)
+    assert "no answer to a liveness check within 1 s (the attached engine stopped" in str(
+        info.value
+    )
+    assert len(failures) == 4
+    assert max(failures) < liveness.interval_s + liveness.timeout_s + 2.0
+
+
+async def test_without_liveness_checks_a_killed_attached_engine_goes_unnoticed() -> None:
+    tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
+    inp, out = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    command = serve_command("--input-address", inp, "--output-address", out)
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(partial(trio.run_process, command, check=False))
+        with trio.fail_after(30):
+            async with open_engine_client(
+                EngineConfig(), input_address=inp, output_address=out, liveness=None
+            ) as client:
+                process.kill()
+                await process.wait()
+                with trio.move_on_after(2.5) as waiting:
+                    await client.is_sleeping()
+                assert waiting.cancelled_caught
+                assert not client.is_dead
 
 
 async def test_block_raises_engine_dead_error_if_the_engine_died_meanwhile() -> None:

@@ -36,6 +36,7 @@ from trio_enginecore import (
     EngineDeadError,
     EngineStartupError,
     FinishReason,
+    Liveness,
     RemoteEngines,
     TrioMPClient,
     UtilityCallError,
@@ -43,13 +44,14 @@ from trio_enginecore import (
 )
 
 from ..support import expected, free_port
-from .support import VllmProcess, require_vllm, vllm_process
+from .support import VllmProcess, error_lines, require_vllm, vllm_process
+from .workloads import cancel_half_midway, exact_streams, generate
 
 require_vllm()
 
 MODES = ["headless", "attach"]
-# Liveness checks of a remote engine, tighter than the defaults (5 s, 15 s) so that a
-# kill -9 is noticed within a test's time; the defaults would take 15-20 s.
+# Liveness checks of a remote or attached engine, tighter than the defaults (5 s, 15 s)
+# so that a kill -9 is noticed within a test's time; the defaults would take 15-20 s.
 LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S = 1.0, 3.0
 
 
@@ -85,7 +87,11 @@ async def vllm_engine(mode: str, tmp_path: Path) -> AsyncIterator[VllmEngine]:
     else:
         inputs, outputs = f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output"
         script, args = "launch_attach.py", ["--input-address", inputs, "--output-address", outputs]
-        client_args = {"input_address": inputs, "output_address": outputs}
+        client_args = {
+            "input_address": inputs,
+            "output_address": outputs,
+            "liveness": Liveness(LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S),
+        }
     with vllm_process(script, args, tmp_path / f"vllm-{mode}.log") as launcher:
         start = trio.current_time()
         try:
@@ -99,16 +105,6 @@ async def vllm_engine(mode: str, tmp_path: Path) -> AsyncIterator[VllmEngine]:
                 yield VllmEngine(mode, client, launcher, ready_s, engine_pid)
         except EngineStartupError as exc:
             raise AssertionError(f"{exc}\nvLLM's log ends:\n{launcher.log_tail()}") from exc
-
-
-async def _generate(client: TrioMPClient, request: EngineCoreRequest) -> tuple[list[int], Any]:
-    tokens: list[int] = []
-    finish = None
-    async with client.stream(request) as outputs:
-        async for output in outputs:
-            tokens += output.new_token_ids
-            finish = output.finish_reason
-    return tokens, finish
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -126,78 +122,17 @@ async def test_exact_streams_cancellation_and_utilities(
         assert (ready.num_gpu_blocks, ready.block_size, ready.max_model_len) == (4096, 16, 1024)
         assert await engine.rpc("executor_pid") == engine.engine_pid
 
-        # 64 concurrent streams, exact tokens: half end on max_tokens, half on a stop
-        # token id.
-        results: dict[str, tuple[list[int], Any]] = {}
-        wanted: dict[str, tuple[list[int], FinishReason]] = {}
-
-        async def one(i: int) -> None:
-            prompt = [1000 + 50 * i, 1001 + 50 * i]
-            if i % 2:
-                request = EngineCoreRequest.for_tokens(
-                    prompt, request_id=f"length-{i}", max_tokens=16 + i
-                )
-                wanted[request.request_id] = (expected(prompt, 16 + i), FinishReason.LENGTH)
-            else:
-                stop = prompt[-1] + 3 + i % 11
-                request = EngineCoreRequest.for_tokens(
-                    prompt, request_id=f"stop-{i}", max_tokens=100, stop_token_ids=[stop]
-                )
-                wanted[request.request_id] = (
-                    expected(prompt, stop - prompt[-1]),
-                    FinishReason.STOP,
-                )
-            results[request.request_id] = await _generate(client, request)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(64):
-                nursery.start_soon(one, i)
-        assert results == wanted
+        await exact_streams(client)
 
         # 64 more, slower (10 ms a step): half are cancelled mid-way, and vLLM's
         # scheduler finishes exactly those while the others still run.
         await engine.rpc("clear_request_log")
         await engine.rpc("set_step_delay", 0.01)
-        cancelled = {f"cancel-{i}" for i in range(32)}
-        kept: dict[str, tuple[list[int], Any]] = {}
-        all_cancelled = trio.Event()
-        cancels_left = len(cancelled)
 
-        async def cancel_midway(request_id: str, prompt: list[int]) -> None:
-            nonlocal cancels_left
-            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=1000)
-            received = 0
-            async with client.stream(request) as outputs:
-                async for output in outputs:
-                    assert output.finish_reason is None
-                    received += len(output.new_token_ids)
-                    if received >= 5:
-                        break  # leaving the block aborts the request
-            cancels_left -= 1
-            if not cancels_left:
-                all_cancelled.set()
+        async def finished() -> set[str]:
+            return set(await engine.rpc("finished_request_ids"))
 
-        async def keep(request_id: str, prompt: list[int]) -> None:
-            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=300)
-            kept[request_id] = await _generate(client, request)
-
-        finished_while_running: list[str] = []
-        async with trio.open_nursery() as nursery:
-            for i in range(32):
-                nursery.start_soon(cancel_midway, f"cancel-{i}", [5000 + i])
-                nursery.start_soon(keep, f"keep-{i}", [9000 + i])
-            with trio.fail_after(30):
-                await all_cancelled.wait()
-                # The aborts reach the executor in the scheduler's next step.
-                while set(finished_while_running) != cancelled:
-                    finished_while_running = await engine.rpc("finished_request_ids")
-                    assert len(kept) == 0, "the kept requests finished too early"
-                    await trio.sleep(0.05)
-        assert set(finished_while_running) == cancelled
-        assert kept == {
-            f"keep-{i}": (expected([9000 + i], 300), FinishReason.LENGTH) for i in range(32)
-        }
-        assert client.statistics().requests_in_flight == 0
+        await cancel_half_midway(client, finished)
         await engine.rpc("set_step_delay", 0)
 
         # Utilities, through the typed methods, answered by vLLM's EngineCore.
@@ -217,7 +152,8 @@ async def test_exact_streams_cancellation_and_utilities(
         assert await client.is_scheduler_paused() is False
         # After all that, the engine still serves.
         request = EngineCoreRequest.for_tokens([41], max_tokens=4)
-        assert await _generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
+        assert await generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
+        assert error_lines(engine.launcher.log()) == []
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -230,7 +166,7 @@ async def test_fatal_executor_error_is_engine_dead(
             request = EngineCoreRequest.for_tokens([3], max_tokens=100)
             start = trio.current_time()
             with trio.fail_after(20), pytest.raises(EngineDeadError) as died:
-                await _generate(engine.client, request)
+                await generate(engine.client, request)
             assert "ENGINE_CORE_DEAD" in str(died.value)
             timings[f"fatal error -> EngineDeadError, {mode}"] = trio.current_time() - start
             with pytest.raises(EngineDeadError):
@@ -243,20 +179,9 @@ async def test_fatal_executor_error_is_engine_dead(
     assert "EngineCore encountered a fatal error." in engine.launcher.log()
 
 
-_ATTACH_HAS_NO_LIVENESS = pytest.mark.xfail(
-    strict=True,
-    raises=trio.TooSlowError,
-    reason="attach mode has no liveness check: a kill -9 of an attached engine sends "
-    "nothing, there is no process to watch, and the client waits (documented in "
-    "open_engine_client; RemoteEngines' checks apply to headless engines only)",
-)
-
-
-@pytest.mark.parametrize(
-    "mode", ["headless", pytest.param("attach", marks=_ATTACH_HAS_NO_LIVENESS)]
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_kill_9_is_engine_dead(mode: str, tmp_path: Path, timings: dict[str, float]) -> None:
-    # Run by hand, not by pytest-trio, whose nursery would wrap the exception the xfail
+    # Run by hand, not by pytest-trio, whose nursery would wrap the exception the test
     # expects in an ExceptionGroup.
     trio.run(_kill_9_is_engine_dead, mode, tmp_path, timings)
 

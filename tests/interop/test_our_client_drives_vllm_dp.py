@@ -45,6 +45,7 @@ from trio_enginecore.client import DPLBTrioMPClient
 
 from ..support import expected, free_port
 from .support import VllmProcess, error_lines, require_vllm
+from .workloads import cancel_half_midway, exact_streams, generate
 
 require_vllm()
 
@@ -153,16 +154,6 @@ async def _log_waves(group: VllmGroup) -> None:
             group.waves.append(await group.client.wait_wave_change())
 
 
-async def _generate(client: DPLBTrioMPClient, request: EngineCoreRequest) -> tuple[list[int], Any]:
-    tokens: list[int] = []
-    finish = None
-    async with client.stream(request) as outputs:
-        async for output in outputs:
-            tokens += output.new_token_ids
-            finish = output.finish_reason
-    return tokens, finish
-
-
 async def _wave_state(group: VllmGroup, wanted: tuple[int, bool]) -> None:
     with trio.fail_after(20):
         while (group.client.current_wave, group.client.engines_running) != wanted:
@@ -185,34 +176,10 @@ async def test_data_parallel_2(
         assert (client.current_wave, client.engines_running) == (0, False)
 
         # 64 concurrent streams, exact tokens, over both engines.
-        results: dict[str, tuple[list[int], Any]] = {}
-        wanted: dict[str, tuple[list[int], FinishReason]] = {}
-
-        async def one(i: int) -> None:
-            prompt = [1000 + 50 * i, 1001 + 50 * i]
-            if i % 2:
-                request = EngineCoreRequest.for_tokens(
-                    prompt, request_id=f"length-{i}", max_tokens=16 + i
-                )
-                wanted[request.request_id] = (expected(prompt, 16 + i), FinishReason.LENGTH)
-            else:
-                stop = prompt[-1] + 3 + i % 11
-                request = EngineCoreRequest.for_tokens(
-                    prompt, request_id=f"stop-{i}", max_tokens=100, stop_token_ids=[stop]
-                )
-                wanted[request.request_id] = (
-                    expected(prompt, stop - prompt[-1]),
-                    FinishReason.STOP,
-                )
-            results[request.request_id] = await _generate(client, request)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(64):
-                nursery.start_soon(one, i)
-        assert results == wanted
+        ids = await exact_streams(client)
         scheduled = await group.rpc_all("scheduled_request_ids")
         assert all(scheduled), f"an engine got no request: {scheduled}"
-        assert set(scheduled[0]) | set(scheduled[1]) == set(wanted)
+        assert set(scheduled[0]) | set(scheduled[1]) == ids
         assert not set(scheduled[0]) & set(scheduled[1])
         if moe:
             await _wave_state(group, (1, False))
@@ -221,48 +188,18 @@ async def test_data_parallel_2(
         # exactly the cancelled ids it had, while the others still run.
         await group.rpc_all("clear_request_log")
         await group.rpc_all("set_step_delay", 0.01)
-        cancelled = {f"cancel-{i}" for i in range(32)}
-        kept: dict[str, tuple[list[int], Any]] = {}
-        all_cancelled = trio.Event()
-        cancels_left = len(cancelled)
-
-        async def cancel_midway(request_id: str, prompt: list[int]) -> None:
-            nonlocal cancels_left
-            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=1000)
-            received = 0
-            async with client.stream(request) as outputs:
-                async for output in outputs:
-                    assert output.finish_reason is None
-                    received += len(output.new_token_ids)
-                    if received >= 5:
-                        break
-            cancels_left -= 1
-            if not cancels_left:
-                all_cancelled.set()
-
-        async def keep(request_id: str, prompt: list[int]) -> None:
-            request = EngineCoreRequest.for_tokens(prompt, request_id=request_id, max_tokens=300)
-            kept[request_id] = await _generate(client, request)
-
         finished: list[list[str]] = [[], []]
-        async with trio.open_nursery() as nursery:
-            for i in range(32):
-                nursery.start_soon(cancel_midway, f"cancel-{i}", [5000 + i])
-                nursery.start_soon(keep, f"keep-{i}", [9000 + i])
-            with trio.fail_after(30):
-                await all_cancelled.wait()
-                while set(finished[0]) | set(finished[1]) != cancelled:
-                    finished = await group.rpc_all("finished_request_ids")
-                    assert len(kept) == 0, "the kept requests finished too early"
-                    await trio.sleep(0.05)
+
+        async def finished_ids() -> set[str]:
+            nonlocal finished
+            finished = await group.rpc_all("finished_request_ids")
+            return set(finished[0]) | set(finished[1])
+
+        cancelled = await cancel_half_midway(client, finished_ids)
         scheduled = await group.rpc_all("scheduled_request_ids")
         for rank in range(2):
             # An abort reached the engine that had the request, and only that one.
             assert set(finished[rank]) == cancelled & set(scheduled[rank])
-        assert kept == {
-            f"keep-{i}": (expected([9000 + i], 300), FinishReason.LENGTH) for i in range(32)
-        }
-        assert client.statistics().requests_in_flight == 0
         await group.rpc_all("set_step_delay", 0)
         if moe:
             await _wave_state(group, (2, False))
@@ -275,7 +212,7 @@ async def test_data_parallel_2(
         await client.set_weight_version("v7")
         assert await client.get_weight_version() == "v7"
         request = EngineCoreRequest.for_tokens([41], max_tokens=4)
-        assert await _generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
+        assert await generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
         if moe:
             await _wave_state(group, (3, False))
     if moe:

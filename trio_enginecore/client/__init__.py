@@ -30,6 +30,6 @@ from ._mp import (
     TrioMPClient as TrioMPClient,
     connect_engine_client as connect_engine_client,
 )
-from ._remote import RemoteEngines as RemoteEngines
+from ._remote import Liveness as Liveness, RemoteEngines as RemoteEngines
 from ._stream import RequestStream as RequestStream
 from ._sync import EngineCoreClient as EngineCoreClient, SyncMPClient as SyncMPClient

@@ -13,7 +13,7 @@ from ._base import TrioClientBase
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
 from ._lb import LoadBalancer
 from ._mp import EXTERNAL_LB_NEEDS_COORDINATOR, TrioMPClient, open_trio_mp_client
-from ._remote import RemoteEngines
+from ._remote import DEFAULT_LIVENESS, Liveness, RemoteEngines
 from ._sync import EngineCoreClient, SyncMPClient
 
 __all__ = ["ClientKind", "make_client", "open_engine_client", "select_client_kind"]
@@ -76,6 +76,7 @@ def open_engine_client(
     coordinator: CoordinatorAddresses | None = None,
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
+    liveness: Liveness | None = DEFAULT_LIVENESS,
 ) -> AbstractAsyncContextManager[TrioMPClient]: ...
 
 
@@ -93,6 +94,7 @@ def open_engine_client(
     coordinator: None = None,
     load_balancer: None = None,
     remote: None = None,
+    liveness: Liveness | None = DEFAULT_LIVENESS,
 ) -> AbstractAsyncContextManager[TrioInprocClient]: ...
 
 
@@ -110,6 +112,7 @@ def open_engine_client(
     coordinator: CoordinatorAddresses | None = None,
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
+    liveness: Liveness | None = DEFAULT_LIVENESS,
 ) -> AbstractAsyncContextManager[TrioClientBase]: ...
 
 
@@ -126,6 +129,7 @@ def open_engine_client(
     coordinator: CoordinatorAddresses | None = None,
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
+    liveness: Liveness | None = DEFAULT_LIVENESS,
 ) -> AbstractAsyncContextManager[TrioClientBase]:
     """Open a Trio engine client: ``async with open_engine_client(config) as client:``.
 
@@ -137,9 +141,8 @@ def open_engine_client(
     attaches to engines started elsewhere (vLLM's ``client_addresses``), launching
     nothing and waiting for the ready message of each of the
     ``config.data_parallel_size`` engines; an attached engine's death is detected when
-    it reports ``ENGINE_CORE_DEAD`` (there is no process to watch, so a ``kill -9``
-    of an attached engine goes unnoticed until a timeout of yours fires: put one around
-    calls that must not hang). With ``multiprocess=False`` the engine runs
+    it reports ``ENGINE_CORE_DEAD`` or stops answering the ``liveness`` checks (there
+    is no process to watch). With ``multiprocess=False`` the engine runs
     as a task of the client (:class:`~trio_enginecore.TrioInprocClient`): no process,
     no sockets.
 
@@ -171,6 +174,11 @@ def open_engine_client(
         remote: launch nothing; the engines start on other hosts
             (``trio-enginecore serve --headless``) and join over TCP, optionally
             authenticated with CURVE (see :class:`~trio_enginecore.RemoteEngines`).
+        liveness: attach mode: how often to check that each attached engine still
+            answers, and how long it may take (:class:`~trio_enginecore.Liveness`,
+            every 5 s within 15 s by default); ``None``: no checks, and a ``kill -9``
+            or a hang of an attached engine goes unnoticed. Remote engines have
+            their own, on :class:`~trio_enginecore.RemoteEngines`.
 
     Raises:
         EngineStartupError: an engine failed to start or was not ready in time; the
@@ -205,6 +213,7 @@ def open_engine_client(
         coordinator=coordinator,
         load_balancer=load_balancer,
         remote=remote,
+        liveness=liveness,
     )
 
 

@@ -70,7 +70,7 @@ from ._launch import (
     start_engine_process,
 )
 from ._lb import LeastLoaded, LoadBalancer
-from ._remote import RemoteEngines, connectable
+from ._remote import DEFAULT_LIVENESS, Liveness, RemoteEngines, connectable
 
 __all__ = [
     "DPLBTrioMPClient",
@@ -139,6 +139,7 @@ class TrioMPClient(TrioClientBase):
         self._ready_messages: set[bytes] = set()
         self._handshake_address: str | None = None
         self._input_address: str | None = None
+        self._checks: tuple[float, float, str] | None = None
         self._socket_tasks: list[tuple[trio.CancelScope, trio.Event]] = []
         self._nursery: trio.Nursery | None = None
         self._a_death = trio.Event()
@@ -258,9 +259,9 @@ class TrioMPClient(TrioClientBase):
     def _attribution_window_s(self) -> float | None:
         if all(engine.process is not None for engine in self._engines):
             return _ATTRIBUTION_WINDOW_S
-        remote = self._remote
-        if remote is not None and remote.liveness_interval_s is not None:
-            return remote.liveness_interval_s + remote.liveness_timeout_s + _ATTRIBUTION_WINDOW_S
+        if self._checks is not None:
+            interval_s, timeout_s, _ = self._checks
+            return interval_s + timeout_s + _ATTRIBUTION_WINDOW_S
         return None
 
     async def _attribute_death(self, suspects: list[EngineHandle], window_s: float) -> None:
@@ -295,6 +296,7 @@ class TrioMPClient(TrioClientBase):
         output_address: str | ListenerFd | None,
         ready_timeout_s: float,
         remote: RemoteEngines | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         attach = input_address is not None or output_address is not None
         if attach and (input_address is None or output_address is None):
@@ -382,24 +384,32 @@ class TrioMPClient(TrioClientBase):
         if timeout.cancelled_caught or scope.cancelled_caught:
             raise await self._startup_error(ready_timeout_s, bool(timeout.cancelled_caught))
         nursery.start_soon(self._receive_loop)
-        if remote is not None and remote.liveness_interval_s is not None:
+        self._checks = checks = self._liveness_checks(attach, liveness)
+        if checks is not None:
             for engine in self._engines:
-                nursery.start_soon(
-                    self._check_liveness,
-                    engine,
-                    remote.liveness_interval_s,
-                    remote.liveness_timeout_s,
-                )
+                nursery.start_soon(self._check_liveness, engine, *checks)
         logger.info("client ready: %d engine(s) serving %r", len(self._engines), self.config.model)
 
-    async def _check_liveness(
-        self, engine: EngineHandle, interval_s: float, timeout_s: float
-    ) -> None:
-        """Declare a remote engine dead when it stops answering.
+    def _liveness_checks(
+        self, attach: bool, liveness: Liveness | None
+    ) -> tuple[float, float, str] | None:
+        """The (interval, timeout, kind of engine) of the liveness checks the engines
+        need: remote and attached ones, which are no child processes of ours."""
+        remote = self._remote
+        if remote is not None and remote.liveness_interval_s is not None:
+            return remote.liveness_interval_s, remote.liveness_timeout_s, "remote"
+        if attach and liveness is not None:
+            return liveness.interval_s, liveness.timeout_s, "attached"
+        return None
 
-        There is no process to watch, and ZeroMQ reconnects silently: a remote engine
-        killed, or cut off by the network, would otherwise leave its requests waiting
-        forever. Any answer counts, a failure reply included.
+    async def _check_liveness(
+        self, engine: EngineHandle, interval_s: float, timeout_s: float, kind: str
+    ) -> None:
+        """Declare a remote or attached engine dead when it stops answering.
+
+        There is no process to watch, and ZeroMQ reconnects silently: such an engine
+        killed, hung, or cut off by the network, would otherwise leave its requests
+        waiting forever. Any answer counts, a failure reply included.
         """
         while True:
             await trio.sleep(interval_s)
@@ -413,7 +423,7 @@ class TrioMPClient(TrioClientBase):
             if unanswered.cancelled_caught:
                 self._engine_died(
                     engine,
-                    f"no answer to a liveness check within {timeout_s:g} s (the remote "
+                    f"no answer to a liveness check within {timeout_s:g} s (the {kind} "
                     "engine stopped, or the network between us failed)",
                 )
                 return
@@ -711,6 +721,7 @@ async def open_trio_mp_client(
     load_balancer: LoadBalancer | None = None,
     coordinator: CoordinatorAddresses | None = None,
     remote: RemoteEngines | None = None,
+    liveness: Liveness | None = DEFAULT_LIVENESS,
 ) -> AsyncGenerator[TrioMPClient, None]:
     """Open a :class:`TrioMPClient`, or with several engines a :class:`DPLBTrioMPClient`
     (see :func:`trio_enginecore.open_engine_client`)."""
@@ -732,6 +743,7 @@ async def open_trio_mp_client(
             output_address=output_address,
             ready_timeout_s=ready_timeout_s,
             remote=remote,
+            liveness=liveness,
         )
 
     async with run_client(client, start) as running:
@@ -1032,6 +1044,7 @@ async def connect_engine_client(
     client_index: int = 0,
     coordinator: CoordinatorAddresses | None = None,
     remote: RemoteEngines | None = None,
+    liveness: Liveness | None = DEFAULT_LIVENESS,
 ) -> TrioMPClient:
     """Start a :class:`TrioMPClient` whose background tasks run in ``nursery``.
 
@@ -1059,6 +1072,7 @@ async def connect_engine_client(
             output_address=output_address,
             ready_timeout_s=ready_timeout_s,
             remote=remote,
+            liveness=liveness,
         )
     except BaseException:
         await client.aclose()

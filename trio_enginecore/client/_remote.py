@@ -11,7 +11,7 @@ import attrs
 
 from .._curve import CurveServer
 
-__all__ = ["RemoteEngines", "connectable"]
+__all__ = ["Liveness", "RemoteEngines", "connectable"]
 
 _ALL_INTERFACES: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
@@ -64,6 +64,29 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> 
     if value is None:
         raise ValueError(f"RemoteEngines.{attribute.name} must be a positive number, got None")
     _positive_or_none(instance, attribute, value)
+
+
+@attrs.frozen
+class Liveness:
+    """How often a client checks that an attached engine still answers.
+
+    An engine the client attached to (``input_address`` / ``output_address``) is no
+    child process of the client: nothing tells the client when it is killed, or hangs
+    (ZeroMQ reconnects silently), and its requests would wait for ever. So the client
+    calls a cheap utility (``is_sleeping``) on it every ``interval_s``, and declares it
+    dead when no answer (a failure reply counts as one) comes within ``timeout_s``:
+    its requests fail with ``EngineDeadError``, as on any engine death. Keep
+    ``timeout_s`` well above the engine's longest step: an engine answers between steps.
+    Engines that join through the handshake from other hosts have the same checks,
+    set on :class:`RemoteEngines`.
+    """
+
+    interval_s: float = attrs.field(default=5.0, validator=_positive)
+    timeout_s: float = attrs.field(default=15.0, validator=_positive)
+
+
+DEFAULT_LIVENESS: Final = Liveness()
+"""The checks of attached engines unless the caller chooses others (or ``None``)."""
 
 
 @attrs.frozen

@@ -186,9 +186,9 @@ def test_scaling_the_group_resizes_the_counts() -> None:
     state = CoordinatorState(2)
     state.update(counts(1, 4, 5))
     state.scale(3)
-    assert state.counts == [[0, 0, 0.0], [4, 5, 0.0], [0, 0, 0.0]]
+    assert state.counts == [(0, 0, 0.0), (4, 5, 0.0), (0, 0, 0.0)]
     state.scale(1)
-    assert state.counts == [[0, 0, 0.0]]
+    assert state.counts == [(0, 0, 0.0)]
     assert state.update(counts(1, 4, 5)) is None  # rank 1 is gone
 
 

@@ -61,6 +61,7 @@ logger = logging.getLogger("trio_enginecore.coordinator")
 MIN_INTERVAL_S: Final = 0.1
 HEARTBEAT_S: Final = 4.0
 _START_DP_WAVE: Final = EngineCoreRequestType.START_DP_WAVE.value
+_IDLE: Final = (0, 0, 0.0)
 
 
 @attrs.frozen
@@ -123,7 +124,8 @@ class CoordinatorState:
     """
 
     engines: int
-    counts: list[list[float]] = attrs.field(init=False)
+    counts: list[tuple[int, int, float]] = attrs.field(init=False)
+    """``(waiting, running, kv_cache_usage)`` of each engine, by rank."""
     current_wave: int = 0
     engines_running: bool = False
     changed: bool = True
@@ -134,7 +136,7 @@ class CoordinatorState:
     _completed: dict[int, set[int]] = attrs.field(init=False, factory=dict[int, set[int]])
 
     def __attrs_post_init__(self) -> None:
-        self.counts = [[0, 0, 0.0] for _ in range(self.engines)]
+        self.counts = [_IDLE] * self.engines
 
     def update(self, message: EngineCoreOutputs) -> StartDPWave | None:
         """Fold one engine's message in.
@@ -147,7 +149,7 @@ class CoordinatorState:
             return None
         stats = message.scheduler_stats
         if stats is not None:
-            new = [stats.num_waiting_reqs, stats.num_running_reqs, stats.kv_cache_usage]
+            new = (stats.num_waiting_reqs, stats.num_running_reqs, stats.kv_cache_usage)
             if new != self.counts[index]:
                 self.counts[index] = new
                 self.changed = True
@@ -169,7 +171,7 @@ class CoordinatorState:
         """A front-end says the group now has ``engines`` engines (elastic EP)."""
         if engines < 1:
             raise ValueError(f"a group needs at least one engine, got {engines}")
-        self.counts = (self.counts + [[0, 0, 0.0] for _ in range(engines)])[:engines]
+        self.counts = (self.counts + [_IDLE] * engines)[:engines]
         self.engines = engines
         self._own_reporters = {rank for rank in self._own_reporters if rank < engines}
         self.changed = True
@@ -177,9 +179,8 @@ class CoordinatorState:
     def publication(self) -> bytes:
         """The counts and wave for front-ends; the end of the current changes."""
         self.changed = self.wave_changed = False
-        counts = [(int(w), int(r), float(kv)) for w, r, kv in self.counts]
         return msgspec.msgpack.encode(
-            CoordinatorPublication(counts, self.current_wave, self.engines_running)
+            CoordinatorPublication(self.counts, self.current_wave, self.engines_running)
         )
 
     def wave_publication(self) -> bytes:

@@ -38,6 +38,7 @@ from trio_enginecore import (
     EngineDeadError,
     EngineStartupError,
     FinishReason,
+    Liveness,
     RemoteEngines,
     open_engine_client,
 )
@@ -93,6 +94,8 @@ async def vllm_group(
             ("launch_attach.py", ["--input-address", inputs, "--output-address", outputs, *dp])
         ]
         client_args = {"input_address": inputs, "output_address": outputs}
+        if liveness is not None:
+            client_args["liveness"] = Liveness(*liveness)
     else:
         address = f"tcp://127.0.0.1:{free_port()}"
         common = ["--handshake-address", address, "--model", model, "--data-parallel-size", "2"]

@@ -928,11 +928,12 @@ class DPLBTrioMPClient(DPTrioMPClient):
     requests fail with ``EngineDeadError`` at once and every later call raises it;
     requests on the surviving engines keep streaming until the block ends, and the
     ``async with`` block then raises one ``EngineDeadError``. A death is seen when a
-    launched engine's process exits, when a remote engine stops answering the
-    liveness checks (:class:`~trio_enginecore.RemoteEngines`), or when an engine sends
-    ``ENGINE_CORE_DEAD``: that frame does not say who sent it, so the client waits up
-    to 2 s (remote engines: a liveness period) for the sender's exit to identify it,
-    and fails every engine only if none is identified.
+    launched engine's process exits, when a remote or attached engine stops answering
+    the liveness checks (:class:`~trio_enginecore.RemoteEngines`,
+    :class:`~trio_enginecore.Liveness`), or when an engine sends ``ENGINE_CORE_DEAD``:
+    that frame does not say who sent it, so the client waits up to 2 s (remote and
+    attached engines: a liveness period) for the sender's exit to identify it, and
+    fails every engine only if none is identified.
     """
 
     def __init__(

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+import trio
 
 from trio_enginecore.engine import CounterModel
 
@@ -55,3 +59,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+class _StepCounter(trio.abc.Instrument):
+    """Counts the steps of one task: every step after its first follows a schedule
+    point (the task yielded to the scheduler and was resumed)."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def schedule_points(call: Callable[[], Awaitable[Any]]) -> int:
+    """How many times the calling task yields to the scheduler while awaiting ``call()``."""
+    counter = _StepCounter(trio.lowlevel.current_task())
+    trio.lowlevel.add_instrument(counter)
+    try:
+        await call()
+    finally:
+        trio.lowlevel.remove_instrument(counter)
+    return counter.steps

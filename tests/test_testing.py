@@ -12,6 +12,8 @@ import trio.testing
 from trio_enginecore import EngineCoreRequest, EngineDeadError, FinishReason, UtilityCallError
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
+from .support import schedule_points
+
 
 async def test_unscripted_requests_count_like_the_counter_model(
     autojump_clock: trio.testing.MockClock,
@@ -118,3 +120,33 @@ async def test_wake_up_reports_whether_the_engine_is_fully_awake() -> None:
         assert await client.wake_up(["weights"]) is False
         engine.on_utility("wake_up", lambda tags=None: None)  # an engine answering nothing
         assert await client.wake_up() is True
+
+
+async def test_add_requests_hands_a_batch_over_with_one_schedule_point() -> None:
+    engine = FakeEngine()
+    async with open_fake_engine_client(engine) as client:
+        batch = [EngineCoreRequest.for_tokens([i], request_id=f"b{i}") for i in range(5)]
+        assert await schedule_points(lambda: client.add_requests(batch)) == 1
+        assert [request.request_id for request in engine.requests] == [f"b{i}" for i in range(5)]
+
+
+async def test_a_cancelled_batch_is_sent_whole_or_not_at_all() -> None:
+    for delay_ticks in range(4):
+        engine = FakeEngine()
+        async with open_fake_engine_client(engine) as client:
+            batch = [
+                EngineCoreRequest.for_tokens([i], request_id=f"c{delay_ticks}-{i}")
+                for i in range(10)
+            ]
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_after, scope, delay_ticks)
+                    await client.add_requests(batch)
+            assert len(engine.requests) in (0, 10), (delay_ticks, len(engine.requests))
+            await client.abort_requests(request.request_id for request in batch)
+
+
+async def _cancel_after(scope: trio.CancelScope, ticks: int) -> None:
+    for _ in range(ticks):
+        await trio.lowlevel.checkpoint()
+    scope.cancel()

@@ -193,12 +193,17 @@ class FakeEngineClient(TrioClientBase):
         self._nursery.start_soon(function)
 
     async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        self._transport_add_nowait(engine, request)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        # Never blocks: add_requests() hands the whole batch over with one checkpoint,
+        # as with the real transports.
         self.engine.requests.append(request)
         scope = trio.CancelScope()
         self._plays[request.request_id] = scope
         self._playing += 1
         self._spawn(lambda: self._play(request, scope))
-        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _play(self, request: EngineCoreRequest, scope: trio.CancelScope) -> None:
         response = self.engine.response_for(request)

@@ -32,6 +32,7 @@ from trio_enginecore import (
     SyncMPClient,
     UtilityCallError,
 )
+from trio_enginecore.client import EngineConsensusError
 
 from .support import expected
 
@@ -354,8 +355,14 @@ def test_utility_failures_raise_in_the_calling_thread_and_wrappers_are_typed() -
         assert client.is_dead is False
         assert client.statistics().pending_utility_calls == 0
 
-        # A result of the wrong type is a protocol error, not a wrong value.
-        client.call_utility = lambda method, *args: "yes"  # type: ignore[method-assign]
+        # A result of the wrong type is a protocol error, not a wrong value. (The
+        # blocking wrappers are the Trio client's: the engines' answers are replaced
+        # there.)
+        async def answer_yes(engines: object, method: str, args: object) -> list[str]:
+            return ["yes"]
+
+        trio_client = client._trio_client  # pyright: ignore[reportPrivateUsage]
+        trio_client._call_engines = answer_yes  # type: ignore[method-assign]  # pyright: ignore[reportPrivateUsage]
         with pytest.raises(ProtocolError, match="is_sleeping"):
             client.is_sleeping()
 
@@ -472,3 +479,40 @@ def test_inproc_client_errors() -> None:
         with pytest.raises(EngineDeadError, match="fault injected"):
             client.add_request(EngineCoreRequest.for_tokens([1], request_id="c"))
         assert client.statistics().engines_alive == 0
+
+
+# -------------------------------------------------- data parallel: both faces agree
+
+
+def test_with_two_engines_the_blocking_wrappers_ask_every_engine_as_the_trio_ones_do() -> None:
+    with SyncMPClient(EngineConfig(data_parallel_size=2, step_time_s=0.01)) as client:
+        # sleep() puts every engine to sleep, not rank 0 alone.
+        client.sleep(1)
+        assert client.call_utility_all("is_sleeping") == [True, True]
+        assert client.is_sleeping() is True
+        assert client.wake_up() is True
+        assert client.call_utility_all("is_sleeping") == [False, False]
+
+        # One engine asleep, the other awake: no single answer.
+        client.call_utility("sleep", 1)  # rank 0 only
+        with pytest.raises(EngineConsensusError):
+            client.is_sleeping()
+        client.wake_up()
+
+        # The counts are summed over the engines.
+        for rank in range(2):
+            for i in range(2):
+                client.add_request(
+                    EngineCoreRequest.for_tokens(
+                        [i + 1],
+                        request_id=f"r{rank}-{i}",
+                        max_tokens=100_000,
+                        data_parallel_rank=rank,
+                    )
+                )
+        deadline = time.monotonic() + 10
+        while client.get_request_counts_per_engine() != [(0, 2), (0, 2)]:
+            assert time.monotonic() < deadline, client.get_request_counts_per_engine()
+            time.sleep(0.02)
+        assert client.get_request_counts() == (0, 4)
+        client.abort_requests([f"r{rank}-{i}" for rank in range(2) for i in range(2)])

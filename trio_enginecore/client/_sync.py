@@ -86,6 +86,8 @@ class EngineCoreClient(abc.ABC):
         return reply.result.result if reply.result is not None else None
 
     def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
+        """What every typed wrapper calls: ``method(*args)`` on the engine, its result
+        converted to ``result_type``. Each wrapper is named after its utility."""
         return convert_result(method, self.call_utility(method, *args), result_type)
 
     def is_sleeping(self) -> bool:
@@ -94,7 +96,7 @@ class EngineCoreClient(abc.ABC):
 
     def sleep(self, level: int = 1) -> None:
         """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
-        self.call_utility("sleep", level)
+        self._typed_call(type(None), "sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake the engine up after :meth:`sleep`; whether it is fully awake."""
@@ -109,7 +111,7 @@ class EngineCoreClient(abc.ABC):
 
     def profile(self, is_start: bool = True) -> None:
         """Start (or stop) the engine's profiler."""
-        self.call_utility("profile", is_start)
+        self._typed_call(type(None), "profile", is_start)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter on the engine; False if there is no room."""
@@ -133,11 +135,11 @@ class EngineCoreClient(abc.ABC):
 
     def execute_dummy_batch(self) -> None:
         """Run the model once on a throwaway batch (a warm-up)."""
-        self.call_utility("execute_dummy_batch")
+        self._typed_call(type(None), "execute_dummy_batch")
 
     def set_weight_version(self, version: str | None) -> None:
         """Record the weight version the engine reports on its outputs."""
-        self.call_utility("set_weight_version", version)
+        self._typed_call(type(None), "set_weight_version", version)
 
     def get_weight_version(self) -> str | None:
         """The weight version set with :meth:`set_weight_version`."""
@@ -147,11 +149,11 @@ class EngineCoreClient(abc.ABC):
         self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
     ) -> None:
         """Pause the engine's scheduler (see the Trio client's ``pause_scheduler``)."""
-        self.call_utility("pause_scheduler", mode, clear_cache)
+        self._typed_call(type(None), "pause_scheduler", mode, clear_cache)
 
     def resume_scheduler(self) -> None:
         """Resume the engine's scheduler after :meth:`pause_scheduler`."""
-        self.call_utility("resume_scheduler")
+        self._typed_call(type(None), "resume_scheduler")
 
     def is_scheduler_paused(self) -> bool:
         """Whether the engine's scheduler is paused."""
@@ -286,6 +288,21 @@ class SyncMPClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return self._run_in_loop(self._trio_client.call_utility, method, *args)
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every engine; one result per engine, by rank."""
+        return self._run_in_loop(self._trio_client.call_utility_all, method, *args)
+
+    def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
+        """``(waiting, running)`` of each engine, by rank."""
+        return self._run_in_loop(self._trio_client.get_request_counts_per_engine)
+
+    def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
+        # The Trio client's wrapper of the same name: with several engines it asks
+        # every one of them and checks that they agree (or sums the counts), so the
+        # two faces cannot answer differently.
+        wrapper: Callable[..., Awaitable[T]] = getattr(self._trio_client, method)
+        return self._run_in_loop(wrapper, *args)
 
     def statistics(self) -> ClientStatistics:
         return self._trio_client.statistics()

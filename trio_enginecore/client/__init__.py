@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 from ..engine._coordinator import CoordinatorAddresses as CoordinatorAddresses
-from ._base import (
-    AsyncEngineCoreClient as AsyncEngineCoreClient,
-    ClientStatistics as ClientStatistics,
-    TrioClientBase as TrioClientBase,
-)
+from ._base import TrioClientBase as TrioClientBase
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
 from ._coordination import open_coordinator as open_coordinator
 from ._factory import (
@@ -17,6 +13,10 @@ from ._factory import (
     select_client_kind as select_client_kind,
 )
 from ._inproc import InprocClient as InprocClient, TrioInprocClient as TrioInprocClient
+from ._interface import (
+    AsyncEngineCoreClient as AsyncEngineCoreClient,
+    ClientStatistics as ClientStatistics,
+)
 from ._lb import (
     EngineConsensusError as EngineConsensusError,
     EngineLoad as EngineLoad,

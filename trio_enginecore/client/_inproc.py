@@ -21,7 +21,8 @@ from ..config import EngineConfig
 from ..engine import EngineCore, FatalEngineError
 from ..errors import EngineDeadError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, UtilityOutput, UtilityRequest
-from ._base import ClientStatistics, TrioClientBase, run_client
+from ._base import TrioClientBase, run_client
+from ._interface import ClientStatistics
 from ._launch import EngineHandle
 from ._sync import EngineCoreClient
 from ._validate import check_request

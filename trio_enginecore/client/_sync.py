@@ -23,7 +23,7 @@ import trio
 from ..config import EngineConfig
 from ..errors import UtilityCallError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, UtilityOutput
-from ._base import ClientStatistics, convert_result
+from ._interface import ClientStatistics, convert_result
 from ._mp import TrioMPClient, open_trio_mp_client
 
 __all__ = ["EngineCoreClient", "SyncMPClient"]

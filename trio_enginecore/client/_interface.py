@@ -1,0 +1,207 @@
+"""The interface of every Trio engine-core client, and the snapshot its statistics give.
+
+:class:`AsyncEngineCoreClient` documents every method once: the clients
+(:class:`~trio_enginecore.TrioMPClient`, the data-parallel ones, the in-process one and
+the test double of :mod:`trio_enginecore.testing`) all implement it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Literal, TypeVar, final
+
+import attrs
+import msgspec
+
+from ..errors import ProtocolError
+from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest
+from ._stream import RequestStream
+
+__all__ = ["AsyncEngineCoreClient", "ClientStatistics", "PauseMode", "convert_result"]
+
+T = TypeVar("T")
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+@final
+@attrs.frozen
+class ClientStatistics:
+    """A snapshot of a client's state, from :meth:`TrioMPClient.statistics`."""
+
+    requests_in_flight: int
+    """Requests sent and neither finished nor aborted (streams included)."""
+    open_streams: int
+    """Streams whose ``async with`` block has not exited."""
+    pending_utility_calls: int
+    """Utility calls waiting for their reply."""
+    pending_batches: int
+    """Engine messages waiting for ``get_output()``."""
+    messages_received: int
+    """Messages decoded from the output socket."""
+    outputs_received: int
+    """Per-request outputs in those messages."""
+    tokens_received: int
+    """New token ids in those outputs."""
+    protocol_errors: int
+    """Engine messages (or parts of them) dropped because they broke the protocol:
+    undecodable, from an engine this client does not have, or outputs of one request
+    that cannot be merged."""
+    engines_alive: int
+    """Engines that have neither died nor been shut down."""
+    outputs_dropped: int = 0
+    """Outputs dropped because no request of theirs was in flight: late outputs of an
+    aborted request (normal), and outputs an engine should not have sent (for an
+    unknown id, a second finish, after the finish)."""
+
+
+class AsyncEngineCoreClient(abc.ABC):
+    """The interface of every Trio engine-core client.
+
+    Every async method is a checkpoint. Unless its docstring says otherwise it is
+    atomic with respect to cancellation: it either completes, or raises
+    :class:`trio.Cancelled` with nothing sent and nothing changed. Utility calls are
+    the documented exception: a cancelled call may still have run on the engine.
+    """
+
+    @abc.abstractmethod
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        """Submit a request; its outputs arrive through :meth:`get_output`."""
+
+    async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        """Submit several requests, as :meth:`add_request` does for one."""
+        for request in requests:
+            await self.add_request(request)
+
+    @abc.abstractmethod
+    async def get_output(self) -> EngineCoreOutputs:
+        """The next engine message with outputs of requests from :meth:`add_request`."""
+
+    @abc.abstractmethod
+    async def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def stream(self, request: EngineCoreRequest) -> AbstractAsyncContextManager[RequestStream]:
+        """Submit a request and stream its outputs (``async with ... as outputs``)."""
+
+    @abc.abstractmethod
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Call a utility method on the engine and return its untyped result."""
+
+    @abc.abstractmethod
+    def statistics(self) -> ClientStatistics:
+        """A frozen snapshot of the client's counters."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Abort in-flight requests and release everything the client holds."""
+
+    async def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
+        return convert_result(method, await self.call_utility(method, *args), result_type)
+
+    async def is_sleeping(self) -> bool:
+        """Whether the engine is asleep. Safe to retry after cancellation."""
+        return await self._typed_call(bool, "is_sleeping")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
+        await self._typed_call(type(None), "sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the engine up after :meth:`sleep`.
+
+        Returns whether it is fully awake, as vLLM 0.33's engines answer: with
+        ``tags`` naming part of its memory, the rest may stay asleep. An engine that
+        answers nothing (older ones) counts as fully awake.
+        """
+        awake = await self._typed_call(bool | None, "wake_up", tags)  # type: ignore[arg-type]
+        return awake is not False
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Clear the engine's prefix cache; False if it could not (requests running)."""
+        return await self._typed_call(
+            bool, "reset_prefix_cache", reset_running_requests, reset_connector
+        )
+
+    async def profile(self, is_start: bool = True) -> None:
+        """Start (or stop) the engine's profiler."""
+        await self._typed_call(type(None), "profile", is_start)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter on the engine; False if there is no room."""
+        return await self._typed_call(bool, "add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unregister a LoRA adapter; False if it was not registered."""
+        return await self._typed_call(bool, "remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the LoRA adapters registered on the engine."""
+        return await self._typed_call(set[int], "list_loras")
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """Keep a LoRA adapter registered; False if it is not registered."""
+        return await self._typed_call(bool, "pin_lora", lora_id)
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """The tasks the engine serves, e.g. ``("generate",)``."""
+        return await self._typed_call(tuple[str, ...], "get_supported_tasks")
+
+    async def execute_dummy_batch(self) -> None:
+        """Run the model once on a throwaway batch (a warm-up)."""
+        await self._typed_call(type(None), "execute_dummy_batch")
+
+    async def set_weight_version(self, version: str | None) -> None:
+        """Record the weight version the engine reports on its outputs."""
+        await self._typed_call(type(None), "set_weight_version", version)
+
+    async def get_weight_version(self) -> str | None:
+        """The weight version set with :meth:`set_weight_version`."""
+        return await self._typed_call(str | None, "get_weight_version")  # type: ignore[arg-type]
+
+    async def pause_scheduler(
+        self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
+    ) -> None:
+        """Pause the engine's scheduler.
+
+        ``abort`` aborts in-flight requests (their streams end with ABORT), ``wait``
+        returns once running requests finished, ``keep`` freezes them in place.
+        Requests added while paused wait until :meth:`resume_scheduler`.
+        """
+        await self._typed_call(type(None), "pause_scheduler", mode, clear_cache)
+
+    async def resume_scheduler(self) -> None:
+        """Resume the engine's scheduler after :meth:`pause_scheduler`."""
+        await self._typed_call(type(None), "resume_scheduler")
+
+    async def is_scheduler_paused(self) -> bool:
+        """Whether the engine's scheduler is paused."""
+        return await self._typed_call(bool, "is_scheduler_paused")
+
+    async def get_request_counts(self) -> tuple[int, int]:
+        """``(waiting, running)`` request counts of the engine.
+
+        A utility of the reference engine (``trio-enginecore serve``), in this order:
+        waiting first. vLLM 0.33's engines have no such utility (the call raises
+        :class:`~trio_enginecore.errors.UtilityCallError`; its internal
+        ``Scheduler.get_request_counts()`` answers (running, waiting)). From a vLLM
+        engine, read the same figures from the ``SchedulerStats`` its outputs carry
+        with ``log_stats`` on (``num_waiting_reqs``, ``num_running_reqs``), or, with
+        data parallelism, from the coordinator's publications the load balancer uses.
+        """
+        return await self._typed_call(tuple[int, int], "get_request_counts")
+
+
+def convert_result(method: str, result: Any, result_type: type[T]) -> T:
+    """A utility's untyped result as ``result_type``, or ProtocolError."""
+    try:
+        return msgspec.convert(result, result_type, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(
+            f"utility {method!r} returned {result!r}, expected {result_type}: {exc}"
+        ) from exc

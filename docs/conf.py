@@ -80,6 +80,10 @@ nitpick_ignore = [
     # The private base class of the Trio clients, named by the return annotation of
     # open_engine_client(); its public methods are documented on TrioMPClient.
     ("py:class", "trio_enginecore.client._base.TrioClientBase"),
+    # Internal halves named by constructor signatures users never call: a stream is
+    # made by client.stream(), a client by the openers.
+    ("py:class", "trio_enginecore.client._stream.StreamFeed"),
+    ("py:class", "trio_enginecore.client._mp.DataParallelRole"),
 ]
 
 # -- HTML ---------------------------------------------------------------------------

@@ -7,6 +7,12 @@ a real engine sends, then reads what the client sends and sends back whatever a 
 crafts, consistent or not. :func:`attached_to_hostile_engine` opens a real
 ``TrioMPClient`` attached to one.
 
+For transcripts with several engines, liveness checks or a coordinator,
+:class:`ServingEngine` is a HostileEngine whose socket a task of its own reads, so that
+it answers the client's liveness checks while the test waits for something else;
+:class:`ScriptedCoordinator` is the publishing end of a data-parallel coordinator; and
+:func:`attached_to_serving_engines` opens a real client attached to them.
+
 Nothing of the engine package runs here except :meth:`EngineCore.ready_response`,
 which supplies a well-formed ready message.
 """
@@ -16,19 +22,29 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import trio
 import zmq
 
-from trio_enginecore import EngineConfig, TrioMPClient, open_engine_client
+from trio_enginecore import (
+    CoordinatorAddresses,
+    EngineConfig,
+    Liveness,
+    TrioMPClient,
+    open_engine_client,
+)
 from trio_enginecore._zmq import TrioSocket, make_socket
 from trio_enginecore.engine import EngineCore
 from trio_enginecore.protocol import (
+    COORDINATOR_SUBSCRIBE,
     ENGINE_CORE_DEAD,
+    CoordinatorPublication,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -42,9 +58,14 @@ from trio_enginecore.protocol import (
 from trio_enginecore.serial import Buffer, MsgpackDecoder, MsgpackEncoder
 
 __all__ = [
+    "AttachedPeers",
     "HostileEngine",
+    "ScriptedCoordinator",
+    "ServingEngine",
     "attached_to_hostile_engine",
+    "attached_to_serving_engines",
     "fence",
+    "fence_all",
     "finished",
     "logprobs",
     "output",
@@ -220,3 +241,208 @@ async def fence(engine: HostileEngine, client: TrioMPClient) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client.call_utility, "fence")
         await engine.reply(await engine.expect_utility())
+
+
+# ------------------------------------------- engines that answer by themselves
+
+
+class ServingEngine(HostileEngine):
+    """A :class:`HostileEngine` whose input a task of its own reads (:meth:`serve`).
+
+    It records what it reads as a HostileEngine does (``added``, ``aborted``,
+    ``calls``), and its ``expect_*`` methods wait for that task instead of reading. A
+    UTILITY call of a method in ``answers`` (by default the client's liveness check,
+    ``is_sleeping``, answered ``False``) is answered at once and counted in
+    ``answered``; any other waits in ``calls`` for the test. After
+    :meth:`stop_answering` the engine answers nothing: every UTILITY call it reads goes
+    into ``ignored``, as with an engine that hung.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        input_address: str,
+        output_address: str,
+        *,
+        rank: int = 0,
+        answers: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(ctx, input_address, output_address, rank=rank)
+        self.answers: dict[str, Any] = {"is_sleeping": False} if answers is None else dict(answers)
+        self.answered: dict[str, int] = {}
+        """How many calls of each method in ``answers`` were answered."""
+        self.ignored: list[UtilityRequest] = []
+        """UTILITY calls read after :meth:`stop_answering`, never answered."""
+        self.silent = False
+        self._read = trio.Event()
+
+    def stop_answering(self) -> None:
+        """From now on, leave every UTILITY call unanswered."""
+        self.silent = True
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Read what the client sends, for ever (run it in a nursery)."""
+        task_status.started()
+        while True:
+            request_type, *payload = await self.dealer.recv_multipart()
+            if request_type == _ADD:
+                request = self._add_decoder.decode(payload)
+                self.added[request.request_id] = request
+            elif request_type == _ABORT:
+                self.aborted += self._abort_decoder.decode(payload)
+            elif request_type == _UTILITY:
+                call = self._utility_decoder.decode(payload)
+                if self.silent:
+                    self.ignored.append(call)
+                elif call.method in self.answers:
+                    await self.reply(call, self.answers[call.method])
+                    self.answered[call.method] = self.answered.get(call.method, 0) + 1
+                else:
+                    self.calls.append(call)
+            else:
+                raise AssertionError(f"unexpected request type {request_type!r}")
+            self._read.set()
+            self._read = trio.Event()
+
+    async def _read_one(self) -> None:
+        # serve() reads; the expect_* methods wait for it to have read one more.
+        await self._read.wait()
+
+    async def expect_answered(self, method: str, count: int) -> None:
+        """Wait until ``count`` calls of ``method`` (one of ``answers``) were answered."""
+        while self.answered.get(method, 0) < count:
+            await self._read_one()
+
+
+async def fence_all(client: TrioMPClient, *engines: ServingEngine) -> None:
+    """Return once each of ``engines`` (all of the client's) has read everything the
+    client sent it before, and the client has handled every message they sent before.
+
+    ``call_utility_all`` makes a round trip through every engine: each reads the call
+    behind the client's earlier requests to it, and answers on its output socket behind
+    everything it sent earlier.
+    """
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.call_utility_all, "fence")
+        for engine in engines:
+            await engine.reply(await engine.expect_utility())
+
+
+class ScriptedCoordinator:
+    """The front-end side of a data-parallel coordinator, driven by the test.
+
+    An XPUB bound at ``addresses.publish``, where a client given these addresses
+    (``coordinator=``) subscribes; the other two addresses are the engines' and nobody
+    binds them. A publication is vLLM's msgpack ``(counts, wave, running)``
+    (:class:`~trio_enginecore.protocol.CoordinatorPublication`).
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], directory: str) -> None:
+        self.addresses = CoordinatorAddresses.in_directory(directory)
+        self.xpub: TrioSocket = make_socket(ctx, zmq.XPUB)
+        self.xpub.bind(self.addresses.publish)
+
+    def close(self) -> None:
+        self.xpub.close()
+
+    async def expect_subscription(self) -> None:
+        """Wait for the client's subscription; an XPUB drops what it publishes before."""
+        frames = await self.xpub.recv_multipart()
+        assert [bytes(frame) for frame in frames] == [COORDINATOR_SUBSCRIBE], frames
+
+    async def publish(
+        self, counts: list[tuple[int, int, float]] | None, wave: int, running: bool
+    ) -> None:
+        """Publish ``(counts, wave, running)``: counts as ``(waiting, running,
+        kv_usage)`` per engine, or ``None`` (a wave change)."""
+        publication = CoordinatorPublication(counts, wave, running)
+        await self.publish_frames([msgspec.msgpack.encode(publication)])
+
+    async def publish_frames(self, frames: Sequence[Buffer]) -> None:
+        """Publish these frames as one message, whatever they hold."""
+        await self.xpub.send_multipart(frames)
+
+
+@dataclass
+class AttachedPeers:
+    """What :func:`attached_to_serving_engines` yields."""
+
+    client: TrioMPClient
+    engines: list[ServingEngine]
+    scripted_coordinator: ScriptedCoordinator | None
+
+    @property
+    def coordinator(self) -> ScriptedCoordinator:
+        assert self.scripted_coordinator is not None, "opened without a coordinator"
+        return self.scripted_coordinator
+
+
+@asynccontextmanager
+async def attached_to_serving_engines(
+    size: int = 1,
+    *,
+    coordinator: bool = False,
+    liveness: Liveness | None = None,
+    max_pending_outputs: int = 64,
+) -> AsyncGenerator[AttachedPeers, None]:
+    """A real client (``EngineConfig(data_parallel_size=size)``) attached over ipc://
+    in a temp dir to ``size`` :class:`ServingEngine` peers (ranks 0 to size - 1), each
+    served by a task of this context, and with ``coordinator`` to a
+    :class:`ScriptedCoordinator` whose addresses it was given, once the client's
+    subscription has reached it.
+
+    As :func:`attached_to_hostile_engine`, an ExceptionGroup or a bare ``trio.Cancelled``
+    escaping the client's block is turned into an AssertionError; any other exception
+    of the block propagates as itself.
+    """
+    tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
+    input_address, output_address = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    ctx: zmq.Context[Any] = zmq.Context()
+    engines: list[ServingEngine] = []
+    scripted: ScriptedCoordinator | None = None
+    error: BaseException | None = None
+    try:
+        engines += [
+            ServingEngine(ctx, input_address, output_address, rank=rank) for rank in range(size)
+        ]
+        scripted = ScriptedCoordinator(ctx, tmp) if coordinator else None
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                # Queued on the DEALER until the client binds its ROUTER.
+                await engine.send_ready()
+                await nursery.start(engine.serve)
+            try:
+                async with open_engine_client(
+                    EngineConfig(data_parallel_size=size),
+                    input_address=input_address,
+                    output_address=output_address,
+                    ready_timeout_s=20,
+                    max_pending_outputs=max_pending_outputs,
+                    coordinator=scripted.addresses if scripted is not None else None,
+                    liveness=liveness,
+                ) as client:
+                    if scripted is not None:
+                        await scripted.expect_subscription()
+                    yield AttachedPeers(client, engines, scripted)
+            except trio.Cancelled as cancelled:
+                if trio.current_effective_deadline() == -math.inf:
+                    raise  # an enclosing scope was cancelled: not the client's doing
+                error = AssertionError("a bare trio.Cancelled escaped the client's block")
+                error.__cause__ = cancelled
+            except BaseExceptionGroup as group:
+                error = AssertionError("an ExceptionGroup escaped the client's block")
+                error.__cause__ = group
+            except BaseException as exc:
+                # Raised below, outside the nursery, so that it is not wrapped in a group.
+                error = exc
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        for engine in engines:
+            engine.close()
+        if scripted is not None:
+            scripted.close()
+        ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise error

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -33,6 +34,7 @@ from trio_enginecore import (
     UtilityCallError,
     open_engine_client,
 )
+from trio_enginecore.client import EngineConsensusError
 from trio_enginecore.client._base import TrioClientBase
 from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.engine import CounterModel
@@ -41,8 +43,11 @@ from trio_enginecore.protocol import LoRARequest
 from .enginepeer import serve_command
 from .support import children_of_this_process, open_fds
 
-KINDS = ["trio-launched", "trio-attached", "trio-inproc", "sync", "inproc-sync"]
-WITH_PROCESS = ["trio-launched", "sync"]
+KINDS = ["trio-launched", "trio-attached", "trio-inproc", "sync", "sync-dp", "inproc-sync"]
+WITH_PROCESS = ["trio-launched", "sync", "sync-dp"]
+# Two data-parallel engines behind one client, on both faces (the one-engine contract
+# above runs "sync-dp" too; the Trio data-parallel clients have tests/test_dp_client.py).
+DATA_PARALLEL = ["trio-dp", "sync-dp"]
 
 
 class Harness:
@@ -81,7 +86,9 @@ class Harness:
 @asynccontextmanager
 async def open_harness(kind: str, **config: Any) -> AsyncIterator[Harness]:
     engine_config = EngineConfig(**config)
-    if kind == "trio-launched":
+    if kind.endswith("-dp"):
+        engine_config = attrs.evolve(engine_config, data_parallel_size=2)
+    if kind in ("trio-launched", "trio-dp"):
         async with open_engine_client(engine_config) as client:
             yield Harness(kind, client)
     elif kind == "trio-inproc":
@@ -93,7 +100,7 @@ async def open_harness(kind: str, **config: Any) -> AsyncIterator[Harness]:
     else:
         factory = (
             partial(SyncMPClient, engine_config)
-            if kind == "sync"
+            if kind in ("sync", "sync-dp")
             else partial(InprocClient, engine_config)
         )
         blocking: EngineCoreClient = await trio.to_thread.run_sync(factory)
@@ -286,3 +293,40 @@ async def test_finished_outputs_carry_the_finish_reason(kind: str) -> None:
             assert [t for o in outputs for t in o.new_token_ids] == [6, 7, 8, 9]
             assert outputs[-1].finish_reason is FinishReason.STOP
             assert outputs[-1].stop_reason == 9
+
+
+@pytest.mark.parametrize("kind", DATA_PARALLEL)
+async def test_with_two_engines_the_wrappers_ask_every_engine(kind: str) -> None:
+    with trio.fail_after(30):
+        async with open_harness(kind, step_time_s=0.01) as harness:
+            call = harness.call
+            # sleep() puts every engine to sleep, not rank 0 alone.
+            await call("sleep", 1)
+            assert await call("call_utility_all", "is_sleeping") == [True, True]
+            assert await call("is_sleeping") is True
+            assert await call("wake_up") is True
+            assert await call("call_utility_all", "is_sleeping") == [False, False]
+            assert await call("is_sleeping") is False
+
+            # The untyped call goes to rank 0 only; then there is no single answer.
+            await call("call_utility", "sleep", 1)
+            assert await call("call_utility_all", "is_sleeping") == [True, False]
+            with pytest.raises(EngineConsensusError, match="engine 0: True, engine 1: False"):
+                await call("is_sleeping")
+            assert await call("wake_up") is True
+            assert await call("call_utility_all", "is_sleeping") == [False, False]
+
+            # The counts are summed over the engines, with requests running on both.
+            ids = [f"r{rank}-{i}" for rank in range(2) for i in range(2)]
+            for request_id in ids:
+                rank = int(request_id[1])
+                await harness.add(
+                    EngineCoreRequest.for_tokens(
+                        [1], request_id=request_id, max_tokens=100_000, data_parallel_rank=rank
+                    )
+                )
+            while await call("get_request_counts_per_engine") != [(0, 2), (0, 2)]:
+                await trio.sleep(0.02)
+            assert await call("get_request_counts") == (0, 4)
+            await harness.abort(ids)
+            assert harness.in_flight() == 0

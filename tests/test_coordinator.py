@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import trio
 import zmq
 
 from trio_enginecore._curve import CurveClient, CurveKeyPair, write_key_pair
 from trio_enginecore._zmq import make_socket
-from trio_enginecore.engine._coordinator import (
+from trio_enginecore.coordinator import (
     CoordinatorAddresses,
     CoordinatorState,
     run_coordinator,
+    serve_coordinator,
 )
 from trio_enginecore.protocol import EngineCoreOutputs, SchedulerStats
 from trio_enginecore.serial import MsgpackEncoder
@@ -62,6 +64,37 @@ def test_state_ignores_unknown_engines_and_messages_without_stats() -> None:
     assert not state.changed
 
 
+def test_engines_are_ready_once_the_whole_group_subscribed_and_latecomers_at_once() -> None:
+    state = CoordinatorState(3)
+    assert [state.engine_subscribed() for _ in range(3)] == [False, False, True]
+    assert state.engine_subscribed()  # a restarted engine is told at once
+    # The barrier is the group the coordinator started with, rescaled or not.
+    rescaled = CoordinatorState(2)
+    rescaled.scale(3)
+    assert [rescaled.engine_subscribed() for _ in range(2)] == [False, True]
+
+
+def test_a_new_front_end_is_sent_the_counts_at_once() -> None:
+    state = CoordinatorState(2)
+    state.publication()
+    state.frontend_subscribed()
+    assert state.changed
+    assert not state.wave_changed
+
+
+def test_the_group_cannot_be_scaled_below_one_engine() -> None:
+    state = CoordinatorState(2)
+    state.update(stats(1, 4, 5))
+    state.publication()
+    with pytest.raises(ValueError, match="at least one engine"):
+        state.scale(0)
+    assert (state.engines, state.counts, state.changed) == (2, [(0, 0, 0.0), (4, 5, 0.0)], False)
+
+
+def test_the_run_coordinator_name_is_still_the_serving_task() -> None:
+    assert run_coordinator is serve_coordinator
+
+
 async def test_the_coordinator_relays_counts_and_runs_waves_over_real_sockets() -> None:
     tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
     addresses = CoordinatorAddresses.in_directory(tmp)
@@ -82,7 +115,7 @@ async def test_the_coordinator_relays_counts_and_runs_waves_over_real_sockets() 
             async with trio.open_nursery() as nursery:
                 await nursery.start(
                     partial(
-                        run_coordinator,
+                        serve_coordinator,
                         ctx,
                         engines=2,
                         addresses=addresses,

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from trio_enginecore.engine._coordinator import CoordinatorState, start_wave_frames
+from trio_enginecore.coordinator import CoordinatorState, start_wave_frames
 from trio_enginecore.errors import ProtocolError
 from trio_enginecore.protocol import (
     COORDINATOR_READY,
@@ -107,6 +107,16 @@ def test_the_old_front_end_wake_message_is_not_a_coordinator_message() -> None:
     # unexpected, and ours refuses it with a typed error.
     with pytest.raises(ProtocolError):
         MsgpackDecoder(ScaleElasticEP).decode([msgspec.msgpack.encode((1, 0))])
+
+
+@pytest.mark.parametrize(
+    "message", [("SCALE_ELASTIC_EP", 0), ("SCALE_ELASTIC_EP", -2), ("SCALE_OUT", 3)]
+)
+def test_a_front_end_message_of_another_tag_or_an_empty_group_is_refused(
+    message: tuple[str, int],
+) -> None:
+    with pytest.raises(ProtocolError, match="ScaleElasticEP"):
+        MsgpackDecoder(ScaleElasticEP).decode([msgspec.msgpack.encode(message)])
 
 
 def test_the_own_waves_announcement_is_a_wave_vllms_coordinator_ignores() -> None:

@@ -78,7 +78,7 @@ async def test_uniform_load_is_balanced_and_aborts_go_only_to_the_owning_engine(
                 for i in range(0, 600, 2):
                     scopes[f"h{i}"].cancel()
                 await trio.testing.wait_all_tasks_blocked()
-                owners = client._inflight  # pyright: ignore[reportPrivateUsage]
+                owners = client._state.inflight  # pyright: ignore[reportPrivateUsage]
                 expected_per_engine = [0, 0, 0]
                 for engine in owners.values():
                     expected_per_engine[engine.rank] += 1
@@ -180,7 +180,7 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
                         client.add_request,
                         EngineCoreRequest.for_tokens([1], request_id=f"c{i}", max_tokens=100_000),
                     )
-            engines = client._engines  # pyright: ignore[reportPrivateUsage]
+            engines = client._state.engines  # pyright: ignore[reportPrivateUsage]
             # The engines report, the coordinator publishes, the client folds it in:
             # the published counts end up equal to what the engines say directly.
             # 30 requests balanced 10 per engine, 4 running (max_num_seqs) and 6 waiting.
@@ -223,7 +223,7 @@ async def test_engine_core_dead_fails_only_the_engine_that_sent_it() -> None:
                     nursery.start_soon(stream, "on-1", 1)
                     while min(tokens.values()) == 0:
                         await trio.sleep(0.01)
-                    engines = client._engines  # pyright: ignore[reportPrivateUsage]
+                    engines = client._state.engines  # pyright: ignore[reportPrivateUsage]
                     await client._call_engines([engines[1]], "inject_fault", ())  # pyright: ignore[reportPrivateUsage]
                     while "on-1" not in failures:
                         await trio.sleep(0.01)

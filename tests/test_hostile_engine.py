@@ -40,6 +40,7 @@ from trio_enginecore import (
     UtilityOutput,
     UtilityResult,
 )
+from trio_enginecore.client._state import ClientState
 from trio_enginecore.serial import Buffer, MsgpackEncoder
 
 from .hostile import (
@@ -473,14 +474,14 @@ async def test_outputs_sent_after_engine_core_dead_are_never_delivered() -> None
 async def test_a_failure_in_the_receive_task_ends_the_block_with_one_engine_core_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def broken(message: EngineCoreOutputs) -> None:
+    def broken_method(self: ClientState, message: EngineCoreOutputs) -> None:
         raise RuntimeError("a bug in the client")
 
     with trio.fail_after(TIMEOUT_S):
         with pytest.raises(EngineCoreError) as failure:
             async with attached_to_hostile_engine() as (engine, client):
                 # Stands in for any bug: the receive task hands each message to this.
-                monkeypatch.setattr(client, "_handle_outputs", broken)
+                monkeypatch.setattr(ClientState, "handle_outputs", broken_method)
                 await client.add_request(request("a"))
                 await engine.expect_adds("a")
                 await engine.send(output("a", 1))

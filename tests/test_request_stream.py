@@ -7,6 +7,7 @@ import trio
 import trio.testing
 
 from trio_enginecore.client import RequestStream
+from trio_enginecore.client._stream import StreamFeed, open_request_stream
 from trio_enginecore.errors import EngineDeadError
 from trio_enginecore.protocol import EngineCoreOutput, FinishReason
 
@@ -15,19 +16,31 @@ def out(*tokens: int, finish: FinishReason | None = None) -> EngineCoreOutput:
     return EngineCoreOutput("req-1", list(tokens), finish_reason=finish)
 
 
+_FEEDS: dict[RequestStream, StreamFeed] = {}
+_STREAMS: dict[StreamFeed, RequestStream] = {}
+
+
 class Closes:
-    """An ``on_close`` callback that records its calls."""
+    """An ``on_close`` callback that records the streams whose reading half closed."""
 
     def __init__(self) -> None:
         self.calls: list[RequestStream] = []
 
-    def __call__(self, stream: RequestStream) -> None:
-        self.calls.append(stream)
+    def __call__(self, feed: StreamFeed) -> None:
+        self.calls.append(_STREAMS[feed])
 
 
 def make_stream() -> tuple[RequestStream, Closes]:
     closes = Closes()
-    return RequestStream("req-1", on_close=closes), closes
+    feed, stream = open_request_stream("req-1", on_close=closes)
+    _FEEDS[stream] = feed
+    _STREAMS[feed] = stream
+    return stream, closes
+
+
+def feed_of(stream: RequestStream) -> StreamFeed:
+    """The feeding half of a stream made by :func:`make_stream`."""
+    return _FEEDS[stream]
 
 
 # ------------------------------------------------------------ merging and ending
@@ -35,10 +48,10 @@ def make_stream() -> tuple[RequestStream, Closes]:
 
 async def test_pushes_before_a_receive_are_merged_into_one_output() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, 2))
-    stream._push(out(3))
-    stream._push(out())
-    stream._push(out(4, 5))
+    feed_of(stream).push(out(1, 2))
+    feed_of(stream).push(out(3))
+    feed_of(stream).push(out())
+    feed_of(stream).push(out(4, 5))
     got = await stream.receive()
     assert got.request_id == "req-1"
     assert got.new_token_ids == [1, 2, 3, 4, 5]
@@ -48,10 +61,10 @@ async def test_pushes_before_a_receive_are_merged_into_one_output() -> None:
 
 async def test_async_for_ends_after_the_finished_output() -> None:
     stream, closes = make_stream()
-    stream._push(out(1))
-    stream._push(out(2, finish=FinishReason.STOP))
-    stream._push(out(3))  # after the finish: ignored
-    stream._push(out(4, finish=FinishReason.LENGTH))  # ignored as well
+    feed_of(stream).push(out(1))
+    feed_of(stream).push(out(2, finish=FinishReason.STOP))
+    feed_of(stream).push(out(3))  # after the finish: ignored
+    feed_of(stream).push(out(4, finish=FinishReason.LENGTH))  # ignored as well
     received = [o async for o in stream]
     assert len(received) == 1
     assert received[0].new_token_ids == [1, 2]
@@ -75,20 +88,22 @@ async def test_async_for_with_a_live_producer() -> None:
         nursery.start_soon(reader)
         for step in range(5):
             await trio.testing.wait_all_tasks_blocked()
-            stream._push(out(step))
+            feed_of(stream).push(out(step))
         await trio.testing.wait_all_tasks_blocked()
-        stream._push(out(10))
-        stream._push(out(11, finish=FinishReason.STOP))  # merged with 10 (no wake in between)
-        stream._push(out(12))
+        feed_of(stream).push(out(10))
+        feed_of(stream).push(
+            out(11, finish=FinishReason.STOP)
+        )  # merged with 10 (no wake in between)
+        feed_of(stream).push(out(12))
     assert [o.new_token_ids for o in received] == [[0], [1], [2], [3], [4], [10, 11]]
     assert [o.finish_reason for o in received] == [None] * 5 + [FinishReason.STOP]
 
 
 async def test_a_finished_output_without_tokens_ends_the_stream() -> None:
     stream, _ = make_stream()
-    stream._push(out(1))
+    feed_of(stream).push(out(1))
     assert (await stream.receive()).new_token_ids == [1]
-    stream._push(out(finish=FinishReason.LENGTH))
+    feed_of(stream).push(out(finish=FinishReason.LENGTH))
     last = await stream.receive()
     assert last.new_token_ids == []
     assert last.finish_reason is FinishReason.LENGTH
@@ -110,7 +125,7 @@ async def test_receive_waits_until_a_push_arrives() -> None:
         nursery.start_soon(reader)
         await trio.testing.wait_all_tasks_blocked()
         assert received == []  # blocked: nothing to deliver yet
-        stream._push(out(7, 8))
+        feed_of(stream).push(out(7, 8))
         await trio.testing.wait_all_tasks_blocked()
         assert [o.new_token_ids for o in received] == [[7, 8]]
 
@@ -120,7 +135,7 @@ async def test_receive_waits_with_autojump_clock(autojump_clock: trio.testing.Mo
 
     async def push_later() -> None:
         await trio.sleep(5)
-        stream._push(out(1, finish=FinishReason.STOP))
+        feed_of(stream).push(out(1, finish=FinishReason.STOP))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(push_later)
@@ -135,14 +150,14 @@ async def test_receive_waits_with_autojump_clock(autojump_clock: trio.testing.Mo
 
 async def test_receive_is_a_checkpoint_even_with_an_output_pending() -> None:
     stream, _ = make_stream()
-    stream._push(out(1))
+    feed_of(stream).push(out(1))
     with trio.testing.assert_checkpoints():
         got = await stream.receive()
     assert got.new_token_ids == [1]
 
     # The finished output too. (Like trio's memory channels, raising EndOfChannel is
     # only a cancel point, so it is not asserted here.)
-    stream._push(out(2, finish=FinishReason.STOP))
+    feed_of(stream).push(out(2, finish=FinishReason.STOP))
     with trio.testing.assert_checkpoints():
         await stream.receive()
 
@@ -155,8 +170,8 @@ async def test_a_receive_cancelled_while_waiting_leaves_the_stream_unchanged(
         await stream.receive()
     assert scope.cancelled_caught
     # Not left "busy", and the next push goes to the next receive.
-    stream._push(out(1, 2))
-    stream._push(out(3))
+    feed_of(stream).push(out(1, 2))
+    feed_of(stream).push(out(3))
     got = await stream.receive()
     assert got.new_token_ids == [1, 2, 3]
     assert stream.tokens_received == 3
@@ -178,7 +193,7 @@ async def test_a_reader_task_cancelled_while_waiting_loses_nothing() -> None:
         scope.cancel()
     assert outcome == ["cancelled"]
 
-    stream._push(out(5))
+    feed_of(stream).push(out(5))
     assert (await stream.receive()).new_token_ids == [5]
 
 
@@ -194,20 +209,20 @@ async def test_a_push_and_a_cancel_in_the_same_tick_deliver_exactly_once() -> No
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader, scope)
         await trio.testing.wait_all_tasks_blocked()
-        stream._push(out(1))
+        feed_of(stream).push(out(1))
         scope.cancel()  # before the reader ran again
 
     # Either the reader got the output, or it is still pending: never both, never none.
     if not received:
         received.append(await stream.receive())
     assert [o.new_token_ids for o in received] == [[1]]
-    stream._push(out(2, finish=FinishReason.STOP))
+    feed_of(stream).push(out(2, finish=FinishReason.STOP))
     assert (await stream.receive()).new_token_ids == [2]
 
 
 async def test_a_receive_in_a_cancelled_scope_does_not_consume_the_pending_output() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, 2, finish=FinishReason.STOP))
+    feed_of(stream).push(out(1, 2, finish=FinishReason.STOP))
     reached = False
     with trio.CancelScope() as scope:
         scope.cancel()
@@ -226,7 +241,7 @@ async def test_a_receive_in_a_cancelled_scope_on_an_empty_stream_raises_cancelle
         scope.cancel()
         await stream.receive()
     assert scope.cancelled_caught
-    stream._push(out(9))
+    feed_of(stream).push(out(9))
     assert (await stream.receive()).new_token_ids == [9]
 
 
@@ -246,11 +261,11 @@ async def test_fail_wakes_a_waiting_reader_with_engine_dead_error() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
         await trio.testing.wait_all_tasks_blocked()
-        stream._fail("engine 0 exited with code -9")
+        feed_of(stream).fail("engine 0 exited with code -9")
     assert len(errors) == 1
     assert "engine 0 exited with code -9" in str(errors[0])
     # Every later receive says so again; the first reason wins.
-    stream._fail("a second reason")
+    feed_of(stream).fail("a second reason")
     with pytest.raises(EngineDeadError, match="exited with code -9"):
         await stream.receive()
     assert not stream.finished
@@ -258,9 +273,9 @@ async def test_fail_wakes_a_waiting_reader_with_engine_dead_error() -> None:
 
 async def test_fail_still_delivers_the_tokens_that_arrived_before() -> None:
     stream, _ = make_stream()
-    stream._push(out(1))
-    stream._push(out(2))
-    stream._fail("boom")
+    feed_of(stream).push(out(1))
+    feed_of(stream).push(out(2))
+    feed_of(stream).fail("boom")
     assert (await stream.receive()).new_token_ids == [1, 2]
     with pytest.raises(EngineDeadError, match="boom"):
         await stream.receive()
@@ -268,26 +283,26 @@ async def test_fail_still_delivers_the_tokens_that_arrived_before() -> None:
 
 async def test_fail_after_the_finished_output_has_no_effect() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, finish=FinishReason.STOP))
+    feed_of(stream).push(out(1, finish=FinishReason.STOP))
     assert (await stream.receive()).finished
-    stream._fail("too late")
+    feed_of(stream).fail("too late")
     with pytest.raises(trio.EndOfChannel):
         await stream.receive()
 
 
 async def test_fail_after_the_finish_arrived_but_before_it_was_read_has_no_effect() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, finish=FinishReason.STOP))
-    stream._fail("too late")
+    feed_of(stream).push(out(1, finish=FinishReason.STOP))
+    feed_of(stream).fail("too late")
     received = [o async for o in stream]
     assert [o.new_token_ids for o in received] == [[1]]
 
 
 async def test_abort_locally_ends_the_stream_with_an_abort_output() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, 2))
-    stream._push(out(3))
-    stream._abort_locally()
+    feed_of(stream).push(out(1, 2))
+    feed_of(stream).push(out(3))
+    feed_of(stream).abort_locally()
     assert stream.finished
     received = [o async for o in stream]
     assert len(received) == 1
@@ -306,18 +321,18 @@ async def test_abort_locally_wakes_a_waiting_reader() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
         await trio.testing.wait_all_tasks_blocked()
-        stream._abort_locally()
+        feed_of(stream).abort_locally()
     assert [(o.new_token_ids, o.finish_reason) for o in received] == [([], FinishReason.ABORT)]
 
 
 async def test_abort_locally_after_the_finish_changes_nothing() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, finish=FinishReason.STOP))
-    stream._abort_locally()
+    feed_of(stream).push(out(1, finish=FinishReason.STOP))
+    feed_of(stream).abort_locally()
     got = await stream.receive()
     assert got.finish_reason is FinishReason.STOP
     assert got.new_token_ids == [1]
-    stream._abort_locally()
+    feed_of(stream).abort_locally()
     with pytest.raises(trio.EndOfChannel):
         await stream.receive()
 
@@ -338,13 +353,13 @@ async def test_two_concurrent_receivers_raise_busy_resource_error() -> None:
         with pytest.raises(trio.BusyResourceError):
             await stream.receive()
         # The first receiver is unaffected by the failed second one.
-        stream._push(out(4))
+        feed_of(stream).push(out(4))
     assert [o.new_token_ids for o in received] == [[4]]
 
 
 async def test_receive_after_aclose_raises_closed_resource_error() -> None:
     stream, closes = make_stream()
-    stream._push(out(1))  # pending outputs are dropped by closing
+    feed_of(stream).push(out(1))  # pending outputs are dropped by closing
     await stream.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await stream.receive()
@@ -357,13 +372,13 @@ async def test_on_close_is_called_exactly_once() -> None:
     stream, closes = make_stream()
     await stream.aclose()
     await stream.aclose()
-    stream._close()
+    feed_of(stream).close()
     assert closes.calls == [stream]
 
     other, other_closes = make_stream()
     async with other:
         pass
-    other._close()
+    feed_of(other).close()
     assert other_closes.calls == [other]
 
 
@@ -397,14 +412,14 @@ async def test_aclose_closes_even_in_a_cancelled_scope() -> None:
 
 async def test_close_wins_over_a_finished_or_failed_stream() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, finish=FinishReason.STOP))
+    feed_of(stream).push(out(1, finish=FinishReason.STOP))
     assert (await stream.receive()).finished
     await stream.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await stream.receive()
 
     failed, _ = make_stream()
-    failed._fail("boom")
+    feed_of(failed).fail("boom")
     await failed.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await failed.receive()
@@ -413,8 +428,8 @@ async def test_close_wins_over_a_finished_or_failed_stream() -> None:
 async def test_pushes_after_close_are_not_delivered() -> None:
     stream, _ = make_stream()
     await stream.aclose()
-    stream._push(out(1))
-    stream._abort_locally()
+    feed_of(stream).push(out(1))
+    feed_of(stream).abort_locally()
     with pytest.raises(trio.ClosedResourceError):
         await stream.receive()
     assert stream.tokens_received == 0
@@ -422,7 +437,7 @@ async def test_pushes_after_close_are_not_delivered() -> None:
 
 async def test_a_receive_on_an_ended_stream_in_a_cancelled_scope_raises_cancelled() -> None:
     stream, _ = make_stream()
-    stream._push(out(1, finish=FinishReason.STOP))
+    feed_of(stream).push(out(1, finish=FinishReason.STOP))
     await stream.receive()
     with trio.CancelScope() as scope:
         scope.cancel()
@@ -443,8 +458,8 @@ async def test_a_push_racing_a_close_is_not_delivered_to_the_woken_reader() -> N
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
         await trio.testing.wait_all_tasks_blocked()
-        stream._close()
-        stream._push(out(1))  # in the same tick, before the reader runs
+        feed_of(stream).close()
+        feed_of(stream).push(out(1))  # in the same tick, before the reader runs
     assert len(errors) == 1
 
 
@@ -456,17 +471,17 @@ async def test_finished_and_tokens_received() -> None:
     assert stream.request_id == "req-1"
     assert not stream.finished
     assert stream.tokens_received == 0
-    stream._push(out(1, 2, 3))
+    feed_of(stream).push(out(1, 2, 3))
     assert stream.tokens_received == 3
     await stream.receive()
-    stream._push(out())
-    stream._push(out(4))
+    feed_of(stream).push(out())
+    feed_of(stream).push(out(4))
     assert stream.tokens_received == 4
     assert not stream.finished
-    stream._push(out(5, 6, finish=FinishReason.LENGTH))
+    feed_of(stream).push(out(5, 6, finish=FinishReason.LENGTH))
     assert stream.finished  # as soon as it arrived, before it is read
     assert stream.tokens_received == 6
-    stream._push(out(7, 8))  # ignored after the finish
+    feed_of(stream).push(out(7, 8))  # ignored after the finish
     assert stream.tokens_received == 6
     got = await stream.receive()
     assert got.new_token_ids == [4, 5, 6]
@@ -475,7 +490,7 @@ async def test_finished_and_tokens_received() -> None:
 
 async def test_finished_after_an_abort() -> None:
     stream, _ = make_stream()
-    stream._abort_locally()
+    feed_of(stream).abort_locally()
     assert stream.finished
     assert stream.tokens_received == 0
 
@@ -483,6 +498,6 @@ async def test_finished_after_an_abort() -> None:
 async def test_the_stream_is_a_trio_receive_channel() -> None:
     stream, _ = make_stream()
     assert isinstance(stream, trio.abc.ReceiveChannel)
-    stream._push(out(1, finish=FinishReason.STOP))
+    feed_of(stream).push(out(1, finish=FinishReason.STOP))
     async with stream:
         assert [o.new_token_ids async for o in stream] == [[1]]

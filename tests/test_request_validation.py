@@ -33,7 +33,7 @@ from trio_enginecore import (
     TrioMPClient,
     open_engine_client,
 )
-from trio_enginecore.client._stream import RequestStream
+from trio_enginecore.client._stream import open_request_stream
 from trio_enginecore.client._validate import check_request, check_requests
 from trio_enginecore.protocol import EngineCoreOutput, LoRARequest, RequestError
 from trio_enginecore.serial import MsgpackEncoder
@@ -348,9 +348,9 @@ async def test_tokens_before_an_error_are_delivered_then_the_error_is_raised() -
 
 
 async def test_a_slow_reader_gets_the_merged_tokens_first_and_the_error_stays() -> None:
-    stream = RequestStream("slow", on_close=lambda _: None)
-    stream._push(EngineCoreOutput("slow", [1, 2]))
-    stream._push(
+    feed, stream = open_request_stream("slow", on_close=lambda _: None)
+    feed.push(EngineCoreOutput("slow", [1, 2]))
+    feed.push(
         EngineCoreOutput(
             "slow",
             [3],
@@ -368,7 +368,7 @@ async def test_a_slow_reader_gets_the_merged_tokens_first_and_the_error_stays() 
 
 
 async def test_an_error_without_a_message_still_raises() -> None:
-    stream = RequestStream("bare", on_close=lambda _: None)
-    stream._push(EngineCoreOutput("bare", [], finish_reason=FinishReason.ERROR))
+    feed, stream = open_request_stream("bare", on_close=lambda _: None)
+    feed.push(EngineCoreOutput("bare", [], finish_reason=FinishReason.ERROR))
     with pytest.raises(RequestFailedError, match=r"\(unknown\): the engine gave no reason"):
         await stream.receive()

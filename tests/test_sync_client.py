@@ -32,7 +32,6 @@ from trio_enginecore import (
     SyncMPClient,
     UtilityCallError,
 )
-from trio_enginecore.client import EngineConsensusError
 
 from .support import expected
 
@@ -356,8 +355,8 @@ def test_utility_failures_raise_in_the_calling_thread_and_wrappers_are_typed() -
         assert client.statistics().pending_utility_calls == 0
 
         # A result of the wrong type is a protocol error, not a wrong value. (The
-        # blocking wrappers are the Trio client's: the engines' answers are replaced
-        # there.)
+        # engines' answers are replaced where the Trio client collects them, behind
+        # call_utility_all; the wrappers with two engines are in test_contract.py.)
         async def answer_yes(engines: object, method: str, args: object) -> list[str]:
             return ["yes"]
 
@@ -479,40 +478,3 @@ def test_inproc_client_errors() -> None:
         with pytest.raises(EngineDeadError, match="fault injected"):
             client.add_request(EngineCoreRequest.for_tokens([1], request_id="c"))
         assert client.statistics().engines_alive == 0
-
-
-# -------------------------------------------------- data parallel: both faces agree
-
-
-def test_with_two_engines_the_blocking_wrappers_ask_every_engine_as_the_trio_ones_do() -> None:
-    with SyncMPClient(EngineConfig(data_parallel_size=2, step_time_s=0.01)) as client:
-        # sleep() puts every engine to sleep, not rank 0 alone.
-        client.sleep(1)
-        assert client.call_utility_all("is_sleeping") == [True, True]
-        assert client.is_sleeping() is True
-        assert client.wake_up() is True
-        assert client.call_utility_all("is_sleeping") == [False, False]
-
-        # One engine asleep, the other awake: no single answer.
-        client.call_utility("sleep", 1)  # rank 0 only
-        with pytest.raises(EngineConsensusError):
-            client.is_sleeping()
-        client.wake_up()
-
-        # The counts are summed over the engines.
-        for rank in range(2):
-            for i in range(2):
-                client.add_request(
-                    EngineCoreRequest.for_tokens(
-                        [i + 1],
-                        request_id=f"r{rank}-{i}",
-                        max_tokens=100_000,
-                        data_parallel_rank=rank,
-                    )
-                )
-        deadline = time.monotonic() + 10
-        while client.get_request_counts_per_engine() != [(0, 2), (0, 2)]:
-            assert time.monotonic() < deadline, client.get_request_counts_per_engine()
-            time.sleep(0.02)
-        assert client.get_request_counts() == (0, 4)
-        client.abort_requests([f"r{rank}-{i}" for rank in range(2) for i in range(2)])

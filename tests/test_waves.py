@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from trio_enginecore.engine._coordinator import CoordinatorState
+from trio_enginecore.coordinator import CoordinatorState
 from trio_enginecore.engine._waves import EngineWaveState
 from trio_enginecore.protocol import (
     REPORTS_OWN_WAVES,
@@ -190,6 +190,17 @@ def test_scaling_the_group_resizes_the_counts() -> None:
     state.scale(1)
     assert state.counts == [(0, 0, 0.0)]
     assert state.update(counts(1, 4, 5)) is None  # rank 1 is gone
+
+
+def test_engines_removed_by_scaling_are_not_waited_for_to_end_a_wave() -> None:
+    state = CoordinatorState(3)
+    own_reporters(state, 0, 1, 2)
+    state.update(start_wave(0, 0))
+    state.scale(2)  # rank 2 is gone: its report will never come
+    state.update(wave_complete(1, 0))
+    assert state.engines_running
+    state.update(wave_complete(0, 0))
+    assert published(state) == (1, False)
 
 
 @pytest.mark.parametrize("reporting", ["own", "rank 0 for all"])

@@ -15,7 +15,6 @@ from ._listeners import ListenerFd as ListenerFd
 from .client import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
-    CoordinatorAddresses as CoordinatorAddresses,
     EngineCoreClient as EngineCoreClient,
     InprocClient as InprocClient,
     Liveness as Liveness,
@@ -26,10 +25,13 @@ from .client import (
     TrioMPClient as TrioMPClient,
     connect_engine_client as connect_engine_client,
     make_client as make_client,
-    open_coordinator as open_coordinator,
     open_engine_client as open_engine_client,
 )
 from .config import EngineConfig as EngineConfig
+from .coordinator import (
+    CoordinatorAddresses as CoordinatorAddresses,
+    open_coordinator as open_coordinator,
+)
 from .errors import (
     AddressError as AddressError,
     EngineCoreError as EngineCoreError,

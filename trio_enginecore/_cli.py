@@ -538,8 +538,8 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         return _run_keygen(args)
     if args.command == "coordinator":
         from ._curve import CurveServer
-        from .engine._coordinator import CoordinatorAddresses
-        from .engine._serve import serve_coordinator
+        from .coordinator import CoordinatorAddresses
+        from .coordinator._command import coordinator_command
 
         _configure_logging(args, "coordinator")
         if bool(args.curve_secret_key) != bool(args.curve_allow):
@@ -550,7 +550,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                 curve = CurveServer.from_files(args.curve_secret_key, args.curve_allow)
             except (OSError, ValueError) as exc:
                 parser.error(f"CURVE keys: {exc}")
-        return serve_coordinator(
+        return coordinator_command(
             curve=curve,
             engines=args.engines,
             addresses=CoordinatorAddresses(

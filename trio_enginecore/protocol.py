@@ -60,7 +60,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Any, ClassVar, Final, NamedTuple, TypedDict, Unpack
+from typing import Annotated, Any, ClassVar, Final, Literal, NamedTuple, TypedDict, Unpack
 
 import msgspec
 import numpy as np
@@ -105,6 +105,7 @@ __all__ = [
     "UtilityOutput",
     "UtilityRequest",
     "UtilityResult",
+    "identity_for_rank",
 ]
 
 ENGINE_CORE_DEAD: Final = b"ENGINE_CORE_DEAD"
@@ -731,10 +732,13 @@ class CoordinatorPublication(msgspec.Struct, array_like=True, gc=False):
 
 class ScaleElasticEP(msgspec.Struct, array_like=True, gc=False):
     """``("SCALE_ELASTIC_EP", n)``: a front-end tells the coordinator that the group
-    now has ``new_engine_count`` engines (vLLM's elastic expert parallelism)."""
+    now has ``new_engine_count`` engines (vLLM's elastic expert parallelism).
 
-    tag: str
-    new_engine_count: int
+    Decoding refuses any other tag, and a group of fewer than one engine.
+    """
+
+    tag: Literal["SCALE_ELASTIC_EP"]
+    new_engine_count: Annotated[int, msgspec.Meta(ge=1)]
 
 
 # ------------------------------------------------------------- output-side structs
@@ -859,6 +863,13 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 # ------------------------------------------------------------- startup handshake
+
+
+def identity_for_rank(rank: int) -> bytes:
+    """The ZeroMQ identity of data-parallel rank ``rank``'s DEALER sockets (handshake
+    and inputs), by which a client's ROUTER tells its engines apart, as vLLM defines
+    it: the rank as two little-endian bytes."""
+    return rank.to_bytes(2, "little")
 
 
 class EngineCoreReadyResponse(msgspec.Struct, gc=False):

@@ -85,7 +85,8 @@ class FakeEngine:
         self._scripts: dict[str, ScriptedResponse] = {}
         self._utilities: dict[str, UtilityHandler] = self._default_utilities()
         self._sleeping = False
-        self._client: FakeEngineClient | None = None
+        self.client: FakeEngineClient | None = None
+        """The client connected to this engine, once there is one."""
 
     # ----------------------------------------------------------------- scripting
 
@@ -122,13 +123,13 @@ class FakeEngine:
 
     def kill(self, reason: str = "killed by the test") -> None:
         """Die now: every waiter of the client gets ``EngineDeadError``."""
-        if self._client is not None:
-            self._client._die(reason)  # pyright: ignore[reportPrivateUsage]
+        if self.client is not None:
+            self.client.die(reason)
 
     @property
     def in_flight(self) -> int:
         """Requests the engine is still producing outputs for."""
-        return self._client._playing if self._client is not None else 0  # pyright: ignore[reportPrivateUsage]
+        return self.client.playing if self.client is not None else 0
 
     def response_for(self, request: EngineCoreRequest) -> ScriptedResponse:
         """The scripted response, or the counter-style default.
@@ -147,6 +148,10 @@ class FakeEngine:
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
         steps = tuple(((last + i) % self.vocab_size,) for i in range(1, count + 1))
         return ScriptedResponse(steps)
+
+    def utility_handler(self, method: str) -> UtilityHandler | None:
+        """What answers utility ``method`` (see :meth:`on_utility`), or None."""
+        return self._utilities.get(method)
 
     def _default_utilities(self) -> dict[str, UtilityHandler]:
         def sleep(level: int = 1) -> None:
@@ -178,11 +183,12 @@ class FakeEngineClient(TrioClientBase):
     def __init__(self, engine: FakeEngine, *, max_pending_outputs: int = 64) -> None:
         super().__init__(EngineConfig(), max_pending_outputs=max_pending_outputs)
         self.engine = engine
-        self._engines = [EngineHandle(rank=0, identity=b"\x00\x00")]
+        self._state.engines = [EngineHandle(rank=0, identity=b"\x00\x00")]
         self._nursery: trio.Nursery | None = None
         self._plays: dict[str, trio.CancelScope] = {}
-        self._playing = 0
-        engine._client = self  # pyright: ignore[reportPrivateUsage]
+        self.playing = 0
+        """Requests the fake engine is still producing outputs for."""
+        engine.client = self
 
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -192,17 +198,13 @@ class FakeEngineClient(TrioClientBase):
         assert self._nursery is not None, "the client is not started"
         self._nursery.start_soon(function)
 
-    async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        self._transport_add_nowait(engine, request)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
-    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+    def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
         # Never blocks: add_requests() hands the whole batch over with one checkpoint,
         # as with the real transports.
         self.engine.requests.append(request)
         scope = trio.CancelScope()
         self._plays[request.request_id] = scope
-        self._playing += 1
+        self.playing += 1
         self._spawn(lambda: self._play(request, scope))
 
     async def _play(self, request: EngineCoreRequest, scope: trio.CancelScope) -> None:
@@ -223,23 +225,22 @@ class FakeEngineClient(TrioClientBase):
                     self._handle_outputs(EngineCoreOutputs(outputs=[output]))
         finally:
             self._plays.pop(request.request_id, None)
-            self._playing -= 1
+            self.playing -= 1
 
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.engine.aborted.append(self._user_ids.get(request_id, request_id))
+            self.engine.aborted.append(self._state.user_id(request_id))
             scope = self._plays.get(request_id)
             if scope is not None:
                 scope.cancel()
 
-    async def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+    def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
         self.engine.utility_calls.append((call.method, tuple(call.args)))
         reply = self._run_utility(call)
         self._spawn(lambda: self._reply(reply))
-        await trio.lowlevel.cancel_shielded_checkpoint()
 
     def _run_utility(self, call: UtilityRequest) -> UtilityOutput:
-        handler = self.engine._utilities.get(call.method)  # pyright: ignore[reportPrivateUsage]
+        handler = self.engine.utility_handler(call.method)
         try:
             if handler is None:
                 raise AttributeError(f"the fake engine has no utility {call.method!r}")
@@ -252,16 +253,17 @@ class FakeEngineClient(TrioClientBase):
         await trio.lowlevel.checkpoint()
         self._handle_outputs(EngineCoreOutputs(utility_output=reply))
 
-    def _die(self, reason: str) -> None:
+    def die(self, reason: str) -> None:
+        """Fail the client as a dead engine would (see :meth:`FakeEngine.kill`)."""
         for scope in self._plays.values():
             scope.cancel()
-        self._engine_died(self._engines[0], reason)
+        self._engine_died(self._state.engines[0], reason)
 
     async def aclose(self) -> None:
         """Abort what is in flight and stop the fake engine. Idempotent."""
-        if not self._closed:
+        if not self._state.closed:
             self._fail_waiters_on_close()
-            self._closed = True
+            self._state.closed = True
             for scope in self._plays.values():
                 scope.cancel()
         await trio.lowlevel.checkpoint()

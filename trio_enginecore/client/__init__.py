@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from ..engine._coordinator import CoordinatorAddresses as CoordinatorAddresses
+# The coordinator's names, re-exported here too for the programs that import them
+# from trio_enginecore.client, as they could before trio_enginecore.coordinator.
+from ..coordinator import (
+    CoordinatorAddresses as CoordinatorAddresses,
+    open_coordinator as open_coordinator,
+)
 from ._base import TrioClientBase as TrioClientBase
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
-from ._coordination import open_coordinator as open_coordinator
 from ._factory import (
     ClientKind as ClientKind,
     make_client as make_client,

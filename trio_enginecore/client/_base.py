@@ -13,69 +13,37 @@ from __future__ import annotations
 import abc
 import collections
 import logging
-import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, Final, TypeVar, final
+from typing import Any, TypeVar
 
-import attrs
-import msgspec
 import trio
 
 from ..config import EngineConfig
-from ..errors import EngineCoreError, EngineDeadError, ProtocolError, UtilityCallError
+from ..errors import EngineCoreError, EngineDeadError, UtilityCallError
 from ..protocol import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReadyResponse,
     EngineCoreRequest,
-    UtilityOutput,
     UtilityRequest,
 )
-from ._collector import BatchCollector
-from ._interface import AsyncEngineCoreClient, ClientStatistics, convert_result
+from ._interface import AsyncEngineCoreClient, ClientStatistics
 from ._launch import EngineHandle
-from ._lb import consensus
-from ._stream import RequestStream
+from ._state import ClientState, UtilityCall
+from ._stream import RequestStream, StreamFeed, open_request_stream
 from ._validate import check_request, check_requests
 
 __all__ = ["TrioClientBase", "run_client"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
-T = TypeVar("T")
-
-_NOTIFICATION_CALL_IDS: Final = (-1, -2)
-
-MAX_TOMBSTONES: Final = 10_000
-"""How many aborted request ids a client remembers (see ``abort_requests``). By the
-time an id falls out, its engine read the ABORT long ago."""
-
-
-@attrs.define(eq=False)
-class _UtilityCall:
-    method: str
-    done: trio.Event = attrs.field(factory=trio.Event)
-    reply: UtilityOutput | None = None
-    failure: str | None = None
-
-
-@final
-class _IdsInFlight:
-    """The caller's ids of the requests in flight (a view, for ``in`` tests)."""
-
-    __slots__ = ("_inflight", "_wire_ids")
-
-    def __init__(self, inflight: dict[str, EngineHandle], wire_ids: dict[str, str]) -> None:
-        self._inflight = inflight
-        self._wire_ids = wire_ids
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._inflight or request_id in self._wire_ids
-
 
 class TrioClientBase(AsyncEngineCoreClient):
-    """The transport-independent part of the Trio clients (see the module docstring)."""
+    """The transport-independent part of the Trio clients (see the module docstring).
+
+    The decisions are :class:`~trio_enginecore.client._state.ClientState`'s; this class
+    adds the checkpoints, the waits and the hand-over to the transport.
+    """
 
     def __init__(
         self,
@@ -88,48 +56,23 @@ class TrioClientBase(AsyncEngineCoreClient):
         self.config = config
         self.client_index = client_index
         self.abort_timeout_s = abort_timeout_s
-        self._engines: list[EngineHandle] = []
-        self._inflight: dict[str, EngineHandle] = {}
-        self._streams: dict[str, RequestStream] = {}
-        self._open_streams = 0
-        self._calls: dict[int, _UtilityCall] = {}
-        self._batches = BatchCollector(max_pending_outputs)
-        self._batch_event = trio.Event()
-        self._failure: str | None = None
-        self._closing = False
-        self._closed = False
-        self._messages = 0
-        self._outputs_received = 0
-        self._tokens = 0
-        self._batched_outputs = 0
-        self._protocol_errors = 0
-        self._outputs_dropped = 0
-        # Ids whose request was aborted while the engine may still be producing for
-        # it, most recent last. Reusing one sends the new request under a fresh wire
-        # id, so the old request's late outputs cannot be mistaken for the new one's.
-        self._tombstones: dict[str, None] = {}
-        # The requests in flight under such a wire id: user id -> wire id, and back.
-        self._wire_ids: dict[str, str] = {}
-        self._user_ids: dict[str, str] = {}
-        self._ids_in_flight = _IdsInFlight(self._inflight, self._wire_ids)
+        self._state = ClientState(
+            [], self._transport_abort, max_pending_outputs=max_pending_outputs
+        )
 
     # ------------------------------------------------------- transport hooks
 
     @abc.abstractmethod
-    async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        """Deliver an ADD; atomic with respect to cancellation."""
-
-    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        """Deliver an ADD without checkpointing; raise trio.WouldBlock if it cannot."""
-        raise trio.WouldBlock
+    def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        """Deliver an ADD without blocking or checkpointing."""
 
     @abc.abstractmethod
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         """Deliver an ABORT without blocking or checkpointing."""
 
     @abc.abstractmethod
-    async def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
-        """Deliver a UTILITY call; atomic with respect to cancellation."""
+    def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+        """Deliver a UTILITY call without blocking or checkpointing."""
 
     def _on_engine_death(self, engine: EngineHandle) -> None:
         """Called after an engine's death was recorded and every waiter failed."""
@@ -139,32 +82,26 @@ class TrioClientBase(AsyncEngineCoreClient):
     @property
     def engines(self) -> tuple[EngineCoreReadyResponse | None, ...]:
         """Each engine's ready response, by rank."""
-        return tuple(engine.ready for engine in self._engines)
+        return tuple(engine.ready for engine in self._state.engines)
 
     @property
     def engine_pids(self) -> tuple[int | None, ...]:
         """The process id of each launched engine (None for attached engines)."""
-        return tuple(e.process.pid if e.process else None for e in self._engines)
+        return tuple(e.process.pid if e.process else None for e in self._state.engines)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the client is dead (the first engine death, named), or None."""
+        return self._state.failure
 
     @property
     def is_dead(self) -> bool:
         """True once an engine died; every later call raises EngineDeadError."""
-        return self._failure is not None
+        return self._state.failure is not None
 
     def statistics(self) -> ClientStatistics:
         """A frozen snapshot of the client's counters."""
-        return ClientStatistics(
-            requests_in_flight=len(self._inflight),
-            open_streams=self._open_streams,
-            pending_utility_calls=len(self._calls),
-            pending_batches=len(self._batches),
-            messages_received=self._messages,
-            outputs_received=self._outputs_received,
-            tokens_received=self._tokens,
-            protocol_errors=self._protocol_errors,
-            engines_alive=sum(1 for e in self._engines if e.alive),
-            outputs_dropped=self._outputs_dropped,
-        )
+        return self._state.statistics()
 
     # ------------------------------------------------------------ batch API
 
@@ -183,7 +120,7 @@ class TrioClientBase(AsyncEngineCoreClient):
             EngineDeadError: the engine has died.
             trio.ClosedResourceError: the client is shutting down.
         """
-        await self._send_add(request, streamed=False)
+        await self._send_add(request, stream=None)
 
     async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         """Send several requests with a single checkpoint.
@@ -201,21 +138,12 @@ class TrioClientBase(AsyncEngineCoreClient):
             trio.ClosedResourceError: the client is shutting down.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._raise_if_unusable()
+        state = self._state
+        state.raise_if_unusable()
         batch = list(requests)
-        check_requests(batch, self._ids_in_flight)
-        for index, request in enumerate(batch):
-            engine = self._engine_for(request)
-            request.client_index = self.client_index
-            wire = self._register(request, engine, stream=None)
-            try:
-                self._transport_add_nowait(engine, wire)
-            except trio.WouldBlock:
-                # Not with the unbounded queues the clients use; go the slow way.
-                self._forget(wire.request_id)
-                for rest in batch[index:]:
-                    await self._send_add(rest, streamed=False)
-                return
+        check_requests(batch, state.ids_in_flight)
+        for request in batch:
+            self._add_now(request, stream=None)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def get_output(self) -> EngineCoreOutputs:
@@ -234,15 +162,16 @@ class TrioClientBase(AsyncEngineCoreClient):
         # between taking the message and returning it: an abort_requests() that
         # returned before this returns has removed its requests' outputs from what is
         # taken. (Waiting is the schedule point when nothing is pending yet.)
+        state = self._state
         await trio.lowlevel.checkpoint_if_cancelled()
-        if len(self._batches):
+        if len(state.batches):
             await trio.lowlevel.cancel_shielded_checkpoint()
         while True:
-            outputs = self._batches.take()
+            outputs = state.take_batch()
             if outputs is not None:
                 return outputs
-            self._raise_if_unusable()
-            await self._batch_event.wait()
+            state.raise_if_unusable()
+            await state.batch_ready.wait()
 
     async def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests on the engines that have them. Unknown ids are ignored.
@@ -259,7 +188,7 @@ class TrioClientBase(AsyncEngineCoreClient):
         with your id.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._abort_now(request_ids)
+        self._state.abort(request_ids)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     # --------------------------------------------------------------- streams
@@ -288,25 +217,14 @@ class TrioClientBase(AsyncEngineCoreClient):
             TypeError, ValueError: on entry, as :meth:`add_request`; nothing was sent.
             EngineDeadError: the engine has died (on entry, or from the stream).
         """
-        stream = await self._send_add(request, streamed=True)
-        assert stream is not None
-        self._open_streams += 1
+        state = self._state
+        feed, stream = open_request_stream(request.request_id, on_close=state.stream_closed)
+        await self._send_add(request, stream=feed)
+        state.open_streams += 1
         try:
             yield stream
         finally:
-            self._open_streams -= 1
-            stream._close()  # pyright: ignore[reportPrivateUsage]
-            if self._streams.get(stream.wire_id) is stream and not stream.finished:
-                # Synchronous: an exit by cancellation cannot skip it.
-                self._abort_wire([stream.wire_id])
-
-    def _stream_closed(self, stream: RequestStream) -> None:
-        # While the request is in flight the stream stays registered, so that its
-        # late outputs reach the (closed) stream and are dropped there instead of
-        # leaking into get_output(); finishing or aborting unregisters it.
-        wire = stream.wire_id
-        if self._streams.get(wire) is stream and wire not in self._inflight:
-            del self._streams[wire]
+            state.stream_left(feed)
 
     # ------------------------------------------------------------- utilities
 
@@ -334,27 +252,26 @@ class TrioClientBase(AsyncEngineCoreClient):
         Cancellation and errors as :meth:`call_utility` (the first engine failure is
         raised, naming the engine).
         """
-        return await self._call_engines(self._engines, method, args)
+        return await self._call_engines(self._state.engines, method, args)
 
     async def _call_engines(
         self, engines: list[EngineHandle], method: str, args: tuple[Any, ...]
     ) -> list[Any]:
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._raise_if_unusable()
-        calls: list[tuple[int, _UtilityCall]] = []
+        state = self._state
+        state.raise_if_unusable()
+        calls: list[tuple[int, UtilityCall]] = []
         try:
             for engine in engines:
-                call_id = self._new_call_id()
-                call = _UtilityCall(method)
-                self._calls[call_id] = call
+                call_id, call = state.new_call(method)
                 calls.append((call_id, call))
                 payload = UtilityRequest(self.client_index, call_id, method, tuple(args))
-                await self._transport_utility(engine, payload)
+                self._transport_utility(engine, payload)
             for _, call in calls:
                 await call.done.wait()
         finally:
-            for call_id, call in calls:
-                if self._calls.pop(call_id, None) is not None and not call.done.is_set():
+            for call_id, _ in calls:
+                if not state.end_call(call_id):
                     logger.debug(
                         "utility call %s (%d) abandoned; a late reply is dropped", method, call_id
                     )
@@ -370,279 +287,48 @@ class TrioClientBase(AsyncEngineCoreClient):
             results.append(reply.result.result if reply.result is not None else None)
         return results
 
-    async def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
-        # Every engine gets the wrapped utilities, and must agree on the answer.
-        results = await self._call_engines(self._engines, method, args)
-        typed = [convert_result(method, result, result_type) for result in results]
-        return consensus(method, typed)  # type: ignore[no-any-return]
-
-    async def get_request_counts(self) -> tuple[int, int]:
-        """``(waiting, running)`` summed over the engines (see
-        :meth:`get_request_counts_per_engine`).
-
-        A reference-engine utility that vLLM 0.33's engines do not have: see
-        :meth:`AsyncEngineCoreClient.get_request_counts` for where a vLLM engine's
-        figures are.
-        """
-        per_engine = await self.get_request_counts_per_engine()
-        return sum(w for w, _ in per_engine), sum(r for _, r in per_engine)
-
-    async def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
-        """``(waiting, running)`` of each engine, by rank."""
-        results = await self._call_engines(self._engines, "get_request_counts", ())
-        return [convert_result("get_request_counts", r, tuple[int, int]) for r in results]
-
-    def _raise_if_unusable(self) -> None:
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
-        if self._closing:
-            raise trio.ClosedResourceError("the engine client is closed")
+    # -------------------------------------------------------------- internals
 
     def _engine_for(self, request: EngineCoreRequest) -> EngineHandle:
         # The data-parallel clients override the choice; a single engine takes all.
-        return self._engines[0]
+        return self._state.engines[0]
 
     def _utility_engine(self) -> EngineHandle:
-        return self._engines[0]
+        return self._state.engines[0]
 
-    def _new_call_id(self) -> int:
-        while True:
-            call_id = secrets.randbits(64)
-            if call_id not in self._calls:
-                return call_id
-
-    async def _send_add(
-        self, request: EngineCoreRequest, *, streamed: bool
-    ) -> RequestStream | None:
+    async def _send_add(self, request: EngineCoreRequest, *, stream: StreamFeed | None) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         check_request(request)
-        self._raise_if_unusable()
-        request_id = request.request_id
-        if request_id in self._ids_in_flight:
-            raise ValueError(f"request {request_id!r} is already in flight on this client")
+        state = self._state
+        state.raise_if_unusable()
+        if request.request_id in state.ids_in_flight:
+            raise ValueError(f"request {request.request_id!r} is already in flight on this client")
+        self._add_now(request, stream=stream)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def _add_now(self, request: EngineCoreRequest, *, stream: StreamFeed | None) -> None:
+        """Register and send a checked request, with no checkpoint."""
         engine = self._engine_for(request)
         request.client_index = self.client_index
-        stream = RequestStream(request_id, on_close=self._stream_closed) if streamed else None
         # Register before sending: the reply may be received before send returns.
-        wire = self._register(request, engine, stream=stream)
+        wire = self._state.register(request, engine, stream=stream)
         try:
-            await self._transport_add(engine, wire)
+            self._transport_add(engine, wire)
         except BaseException:
-            self._forget(wire.request_id)
+            self._state.forget(wire.request_id)
             raise
-        return stream
-
-    def _register(
-        self, request: EngineCoreRequest, engine: EngineHandle, *, stream: RequestStream | None
-    ) -> EngineCoreRequest:
-        """Record ``request`` as in flight on ``engine``; the request to send.
-
-        That is ``request`` itself, or, for an id whose aborted request the engine may
-        still be producing for, a copy under a fresh wire id (the caller's object is
-        not changed, so its ``request_id`` stays what the caller gave).
-        """
-        user_id = request.request_id
-        wire = request
-        if user_id in self._tombstones:
-            wire_id = f"{user_id}~{secrets.token_hex(4)}"
-            while wire_id in self._inflight:
-                wire_id = f"{user_id}~{secrets.token_hex(4)}"
-            wire = msgspec.structs.replace(
-                request, request_id=wire_id, external_req_id=request.external_req_id or user_id
-            )
-            self._wire_ids[user_id] = wire_id
-            self._user_ids[wire_id] = user_id
-        self._inflight[wire.request_id] = engine
-        engine.load.in_flight += 1
-        if stream is not None:
-            stream.wire_id = wire.request_id
-            self._streams[wire.request_id] = stream
-        return wire
-
-    def _forget(self, wire_id: str) -> None:
-        engine = self._inflight.pop(wire_id, None)
-        if engine is not None:
-            engine.load.in_flight -= 1
-        self._streams.pop(wire_id, None)
-        user_id = self._user_ids.pop(wire_id, None)
-        if user_id is not None:
-            del self._wire_ids[user_id]
-
-    def _abort_now(self, request_ids: Iterable[str]) -> None:
-        """Abort requests by the caller's ids (see :meth:`abort_requests`)."""
-        ids = list(request_ids)
-        wire_ids = self._wire_ids
-        self._abort_wire([wire_ids.get(request_id, request_id) for request_id in ids])
-        if len(self._batches):
-            # Outputs received before the abort must not surface after it, those of a
-            # request that finished meanwhile included (they carry the caller's ids).
-            self._batches.discard(set(ids))
-
-    def _abort_wire(self, wire_ids: list[str]) -> None:
-        by_engine: dict[int, tuple[EngineHandle, list[str]]] = {}
-        for wire_id in wire_ids:
-            engine = self._inflight.get(wire_id)
-            if engine is not None:
-                by_engine.setdefault(engine.rank, (engine, []))[1].append(wire_id)
-        for engine, ids in by_engine.values():
-            live = engine.alive and not self._closed
-            if live:
-                self._transport_abort(engine, ids)
-            for wire_id in ids:
-                if live:
-                    self._bury(self._user_ids.get(wire_id, wire_id))
-                stream = self._streams.get(wire_id)
-                self._forget(wire_id)
-                if stream is not None:
-                    stream._abort_locally()  # pyright: ignore[reportPrivateUsage]
-
-    def _bury(self, user_id: str) -> None:
-        tombstones = self._tombstones
-        tombstones.pop(user_id, None)
-        tombstones[user_id] = None
-        if len(tombstones) > MAX_TOMBSTONES:
-            # The oldest: its engine read the ABORT long ago.
-            del tombstones[next(iter(tombstones))]
 
     def _handle_outputs(self, message: EngineCoreOutputs) -> None:
-        """Route one decoded engine message. Synchronous: call it with no checkpoint
-        between receiving the message and handing it over.
-
-        An engine's message is checked for consistency as it is routed, never
-        trusted: a message from an engine this client does not have is dropped whole
-        (``protocol_errors``), an output of a request not in flight (late after an
-        abort, for an unknown id, a second finish, after the finish) is dropped
-        (``outputs_dropped``), and outputs of a stream that cannot be merged fail that
-        stream with :class:`~trio_enginecore.errors.ProtocolError` and abort its
-        request. Every other request is served on.
-        """
-        if not self._known_engine(message.engine_index):
-            self._protocol_errors += 1
-            logger.error(
-                "dropping a message from engine index %r: this client has engines %s",
-                message.engine_index,
-                [engine.rank for engine in self._engines],
-            )
-            return
-        self._messages += 1
-        if message.utility_output is not None:
-            self._resolve_utility(message.utility_output)
-            if not message.outputs:
-                return
-        outputs = message.outputs
-        inflight = self._inflight
-        self._outputs_received += len(outputs)
-        self._tokens += sum([len(output.new_token_ids) for output in outputs])
-        batch = None
-        if not self._streams and not self._user_ids:
-            # The batch API's hot path: the whole message goes to get_output() as it is,
-            # with the per-output work done in C-level set operations and
-            # comprehensions rather than one loop. It needs every output to be of a
-            # different request in flight; anything else takes the careful path.
-            ids = [output.request_id for output in outputs]
-            # All in flight and no id twice: then the intersection keeps every one.
-            if len(inflight.keys() & ids) == len(ids):
-                for request_id in [o.request_id for o in outputs if o.finish_reason is not None]:
-                    inflight.pop(request_id).load.in_flight -= 1
-                batch = outputs
-        if batch is None:
-            batch = self._route_outputs(outputs)
-        if batch or message.scheduler_stats is not None:
-            if batch is not outputs:
-                message.outputs = batch
-            self._batched_outputs += len(batch)
-            self._batches.put(message)
-            self._wake_batch_readers()
-
-    def _known_engine(self, engine_index: int) -> bool:
-        engines = self._engines
-        if len(engines) == 1:
-            return engines[0].rank == engine_index
-        return any(engine.rank == engine_index for engine in engines)
-
-    def _route_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Hand stream outputs to their streams; return the ones for get_output()."""
-        batch: list[EngineCoreOutput] = []
-        inflight = self._inflight
-        streams = self._streams
-        user_ids = self._user_ids
-        for output in outputs:
-            wire_id = output.request_id
-            if wire_id not in inflight:
-                # Produced before the engine read our ABORT (normal), or an output the
-                # engine should never have sent.
-                self._outputs_dropped += 1
-                continue
-            stream = streams.get(wire_id)
-            user_id = user_ids.get(wire_id)
-            if user_id is not None:
-                output.request_id = user_id
-            finished = output.finish_reason is not None
-            if finished:
-                self._forget(wire_id)
-            if stream is None:
-                batch.append(output)
-                continue
-            try:
-                stream._push(output)  # pyright: ignore[reportPrivateUsage]
-            except ProtocolError as exc:
-                self._protocol_errors += 1
-                logger.error("request %r: %s", stream.request_id, exc)
-                stream._fail(str(exc), ProtocolError)  # pyright: ignore[reportPrivateUsage]
-                if not finished:
-                    self._abort_wire([wire_id])
-        return batch
-
-    def _wake_batch_readers(self) -> None:
-        self._batch_event.set()
-        self._batch_event = trio.Event()
-
-    def _resolve_utility(self, reply: UtilityOutput) -> None:
-        if reply.call_id in _NOTIFICATION_CALL_IDS:
-            logger.info("engine notification (call id %d): %r", reply.call_id, reply.result)
-            return
-        call = self._calls.get(reply.call_id)
-        if call is None:
-            logger.debug("dropping a late or unknown utility reply (call id %d)", reply.call_id)
-            return
-        call.reply = reply
-        call.done.set()
+        """Route one decoded engine message (see ``ClientState.handle_outputs``)."""
+        self._state.handle_outputs(message)
 
     def _engine_died(self, engine: EngineHandle, reason: str) -> None:
-        if not engine.alive:
-            return
-        engine.alive = False
-        engine.death = reason
-        if self._closing:
-            return
-        logger.error("%s died: %s", engine.describe(), reason)
-        message = f"{engine.describe()} died: {reason}"
-        if self._failure is None:
-            self._failure = message
-        for wire_id, owner in list(self._inflight.items()):
-            if owner is engine:
-                stream = self._streams.get(wire_id)
-                self._forget(wire_id)
-                if stream is not None:
-                    stream._fail(message)  # pyright: ignore[reportPrivateUsage]
-        for call in self._calls.values():
-            if not call.done.is_set():
-                call.failure = message
-                call.done.set()
-        self._wake_batch_readers()
-        self._on_engine_death(engine)
+        if self._state.engine_died(engine, reason):
+            self._on_engine_death(engine)
 
     def _fail_waiters_on_close(self) -> None:
         """Part of closing: abort what is in flight and wake every waiter."""
-        self._closing = True
-        if self._inflight:
-            self._abort_wire(list(self._inflight))
-        for stream in list(self._streams.values()):
-            stream._fail("the engine client was closed")  # pyright: ignore[reportPrivateUsage]
-        for call in self._calls.values():
-            call.failure = "the engine client was closed"
-            call.done.set()
-        self._wake_batch_readers()
+        self._state.close()
 
 
 C = TypeVar("C", bound=TrioClientBase)
@@ -725,5 +411,6 @@ async def run_client(
             raise EngineDeadError("the engine client failed in the background") from background
     if error is not None:
         raise error
-    if client._failure is not None:  # pyright: ignore[reportPrivateUsage]
-        raise EngineDeadError(client._failure)  # pyright: ignore[reportPrivateUsage]
+    death = client.failure
+    if death is not None:
+        raise EngineDeadError(death)

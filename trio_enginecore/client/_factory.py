@@ -8,7 +8,7 @@ from typing import Any, Literal, overload
 
 from .._listeners import ListenerFd
 from ..config import EngineConfig
-from ..engine._coordinator import CoordinatorAddresses
+from ..coordinator import CoordinatorAddresses
 from ._base import TrioClientBase
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
 from ._lb import LoadBalancer

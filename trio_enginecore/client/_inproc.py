@@ -52,8 +52,8 @@ class TrioInprocClient(TrioClientBase):
     ) -> None:
         super().__init__(config, client_index=client_index, max_pending_outputs=max_pending_outputs)
         self.core = EngineCore(config)
-        self._engines = [EngineHandle.for_rank(config.data_parallel_rank)]
-        self._engines[0].ready = self.core.ready_response()
+        self._state.engines = [EngineHandle.for_rank(config.data_parallel_rank)]
+        self._state.engines[0].ready = self.core.ready_response()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._work = trio.Event()
 
@@ -68,21 +68,16 @@ class TrioInprocClient(TrioClientBase):
         self._inbox.append(action)
         self._work.set()
 
-    async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        self._post(lambda: self.core.add_request(request))
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
-    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+    def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
         self._post(lambda: self.core.add_request(request))
 
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         self._post(lambda: self.core.abort_requests(request_ids))
 
-    async def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+    def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
         self._post(
             lambda: self.core.call_utility(call.client_index, call.call_id, call.method, call.args)
         )
-        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _start(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._engine_loop)
@@ -90,7 +85,7 @@ class TrioInprocClient(TrioClientBase):
 
     async def _engine_loop(self) -> None:
         core = self.core
-        engine = self._engines[0]
+        engine = self._state.engines[0]
         step_time = self.config.step_time_s
         try:
             while True:
@@ -120,10 +115,10 @@ class TrioInprocClient(TrioClientBase):
 
     async def aclose(self) -> None:
         """Abort in-flight requests and stop the engine loop. Idempotent."""
-        if not self._closed:
+        if not self._state.closed:
             self._fail_waiters_on_close()
-            self._closed = True
-            for engine in self._engines:
+            self._state.closed = True
+            for engine in self._state.engines:
                 engine.alive = False
         await trio.lowlevel.checkpoint()
 

@@ -13,15 +13,14 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, TypeVar, final
 
 import attrs
-import msgspec
 
-from ..errors import ProtocolError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest
 from ._stream import RequestStream
+from ._utilities import UTILITIES, UtilitySpec, combine, convert_each, convert_result
 
 __all__ = ["AsyncEngineCoreClient", "ClientStatistics", "PauseMode", "convert_result"]
 
-T = TypeVar("T")
+R = TypeVar("R")
 
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -99,16 +98,29 @@ class AsyncEngineCoreClient(abc.ABC):
     async def aclose(self) -> None:
         """Abort in-flight requests and release everything the client holds."""
 
-    async def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
-        return convert_result(method, await self.call_utility(method, *args), result_type)
+    async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every engine; one untyped result per engine, by rank.
+
+        A client with one engine answers ``[await self.call_utility(method, *args)]``.
+        Cancellation and errors as :meth:`call_utility`.
+        """
+        return [await self.call_utility(method, *args)]
+
+    async def _utility(self, spec: UtilitySpec[R], *args: Any) -> R:
+        # Every typed wrapper: ask every engine, then combine as the table says.
+        return combine(spec, await self.call_utility_all(spec.name, *args))
 
     async def is_sleeping(self) -> bool:
-        """Whether the engine is asleep. Safe to retry after cancellation."""
-        return await self._typed_call(bool, "is_sleeping")
+        """Whether the engine is asleep. Safe to retry after cancellation.
+
+        With several engines, they must agree (else
+        :class:`~trio_enginecore.client.EngineConsensusError`).
+        """
+        return await self._utility(UTILITIES.is_sleeping)
 
     async def sleep(self, level: int = 1) -> None:
-        """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
-        await self._typed_call(type(None), "sleep", level)
+        """Put the engine (every engine) to sleep: it stops stepping until :meth:`wake_up`."""
+        return await self._utility(UTILITIES.sleep, level)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake the engine up after :meth:`sleep`.
@@ -117,52 +129,51 @@ class AsyncEngineCoreClient(abc.ABC):
         ``tags`` naming part of its memory, the rest may stay asleep. An engine that
         answers nothing (older ones) counts as fully awake.
         """
-        awake = await self._typed_call(bool | None, "wake_up", tags)  # type: ignore[arg-type]
-        return awake is not False
+        return await self._utility(UTILITIES.wake_up, tags)
 
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         """Clear the engine's prefix cache; False if it could not (requests running)."""
-        return await self._typed_call(
-            bool, "reset_prefix_cache", reset_running_requests, reset_connector
+        return await self._utility(
+            UTILITIES.reset_prefix_cache, reset_running_requests, reset_connector
         )
 
     async def profile(self, is_start: bool = True) -> None:
         """Start (or stop) the engine's profiler."""
-        await self._typed_call(type(None), "profile", is_start)
+        return await self._utility(UTILITIES.profile, is_start)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter on the engine; False if there is no room."""
-        return await self._typed_call(bool, "add_lora", lora_request)
+        return await self._utility(UTILITIES.add_lora, lora_request)
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Unregister a LoRA adapter; False if it was not registered."""
-        return await self._typed_call(bool, "remove_lora", lora_id)
+        return await self._utility(UTILITIES.remove_lora, lora_id)
 
     async def list_loras(self) -> set[int]:
         """Ids of the LoRA adapters registered on the engine."""
-        return await self._typed_call(set[int], "list_loras")
+        return await self._utility(UTILITIES.list_loras)
 
     async def pin_lora(self, lora_id: int) -> bool:
         """Keep a LoRA adapter registered; False if it is not registered."""
-        return await self._typed_call(bool, "pin_lora", lora_id)
+        return await self._utility(UTILITIES.pin_lora, lora_id)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """The tasks the engine serves, e.g. ``("generate",)``."""
-        return await self._typed_call(tuple[str, ...], "get_supported_tasks")
+        return await self._utility(UTILITIES.get_supported_tasks)
 
     async def execute_dummy_batch(self) -> None:
         """Run the model once on a throwaway batch (a warm-up)."""
-        await self._typed_call(type(None), "execute_dummy_batch")
+        return await self._utility(UTILITIES.execute_dummy_batch)
 
     async def set_weight_version(self, version: str | None) -> None:
         """Record the weight version the engine reports on its outputs."""
-        await self._typed_call(type(None), "set_weight_version", version)
+        return await self._utility(UTILITIES.set_weight_version, version)
 
     async def get_weight_version(self) -> str | None:
         """The weight version set with :meth:`set_weight_version`."""
-        return await self._typed_call(str | None, "get_weight_version")  # type: ignore[arg-type]
+        return await self._utility(UTILITIES.get_weight_version)
 
     async def pause_scheduler(
         self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
@@ -173,18 +184,18 @@ class AsyncEngineCoreClient(abc.ABC):
         returns once running requests finished, ``keep`` freezes them in place.
         Requests added while paused wait until :meth:`resume_scheduler`.
         """
-        await self._typed_call(type(None), "pause_scheduler", mode, clear_cache)
+        return await self._utility(UTILITIES.pause_scheduler, mode, clear_cache)
 
     async def resume_scheduler(self) -> None:
         """Resume the engine's scheduler after :meth:`pause_scheduler`."""
-        await self._typed_call(type(None), "resume_scheduler")
+        return await self._utility(UTILITIES.resume_scheduler)
 
     async def is_scheduler_paused(self) -> bool:
         """Whether the engine's scheduler is paused."""
-        return await self._typed_call(bool, "is_scheduler_paused")
+        return await self._utility(UTILITIES.is_scheduler_paused)
 
     async def get_request_counts(self) -> tuple[int, int]:
-        """``(waiting, running)`` request counts of the engine.
+        """``(waiting, running)`` request counts of the engine, summed over the engines.
 
         A utility of the reference engine (``trio-enginecore serve``), in this order:
         waiting first. vLLM 0.33's engines have no such utility (the call raises
@@ -194,14 +205,9 @@ class AsyncEngineCoreClient(abc.ABC):
         with ``log_stats`` on (``num_waiting_reqs``, ``num_running_reqs``), or, with
         data parallelism, from the coordinator's publications the load balancer uses.
         """
-        return await self._typed_call(tuple[int, int], "get_request_counts")
+        return await self._utility(UTILITIES.get_request_counts)
 
-
-def convert_result(method: str, result: Any, result_type: type[T]) -> T:
-    """A utility's untyped result as ``result_type``, or ProtocolError."""
-    try:
-        return msgspec.convert(result, result_type, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ProtocolError(
-            f"utility {method!r} returned {result!r}, expected {result_type}: {exc}"
-        ) from exc
+    async def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
+        """``(waiting, running)`` of each engine, by rank (see :meth:`get_request_counts`)."""
+        spec = UTILITIES.get_request_counts
+        return convert_each(spec, await self.call_utility_all(spec.name))

@@ -14,8 +14,7 @@ import attrs
 import trio
 
 from ..config import EngineConfig
-from ..engine import identity_for_rank
-from ..protocol import EngineCoreReadyResponse
+from ..protocol import EngineCoreReadyResponse, identity_for_rank
 from ._lb import EngineLoad
 
 __all__ = [

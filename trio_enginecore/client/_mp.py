@@ -43,8 +43,14 @@ from .._curve import (
 from .._listeners import ListenerFd, bind_all
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
-from ..engine._coordinator import CoordinatorAddresses, run_coordinator
-from ..errors import EngineDeadError, EngineStartupError, ProtocolError, UtilityCallError
+from ..coordinator import CoordinatorAddresses, serve_coordinator
+from ..errors import (
+    EngineCoreError,
+    EngineDeadError,
+    EngineStartupError,
+    ProtocolError,
+    UtilityCallError,
+)
 from ..protocol import (
     COORDINATOR_SUBSCRIBE,
     ENGINE_CORE_DEAD,
@@ -71,6 +77,7 @@ from ._launch import (
 )
 from ._lb import LeastLoaded, LoadBalancer
 from ._remote import DEFAULT_LIVENESS, Liveness, RemoteEngines, connectable
+from ._router import Router, WaveFollower
 
 __all__ = [
     "DPLBTrioMPClient",
@@ -97,6 +104,47 @@ EXTERNAL_LB_NEEDS_COORDINATOR: Final = (
 )
 
 
+@final
+@attrs.frozen
+class DataParallelRole:
+    """Which engines a client talks to and how it routes: decided by the constructor
+    (the vLLM-shaped class names), used by the one client class."""
+
+    ranks: range
+    load_balancer: LoadBalancer | None = None
+    coordinator: CoordinatorAddresses | None = None
+    data_parallel: bool = False
+    """Follows a coordinator and stamps requests with its wave."""
+    launches_coordinator: bool = False
+    """Launches a coordinator of its own when it launches engines and is given none."""
+
+    @classmethod
+    def single(cls, config: EngineConfig) -> DataParallelRole:
+        return cls(ranks=range(config.data_parallel_size))
+
+    @classmethod
+    def one_rank(
+        cls, config: EngineConfig, coordinator: CoordinatorAddresses | None
+    ) -> DataParallelRole:
+        rank = config.data_parallel_rank
+        return cls(ranks=range(rank, rank + 1), coordinator=coordinator, data_parallel=True)
+
+    @classmethod
+    def balanced(
+        cls,
+        config: EngineConfig,
+        load_balancer: LoadBalancer,
+        coordinator: CoordinatorAddresses | None,
+    ) -> DataParallelRole:
+        return cls(
+            ranks=range(config.data_parallel_size),
+            load_balancer=load_balancer,
+            coordinator=coordinator,
+            data_parallel=True,
+            launches_coordinator=True,
+        )
+
+
 class TrioMPClient(TrioClientBase):
     """A Trio client for engines running in other processes.
 
@@ -115,6 +163,7 @@ class TrioMPClient(TrioClientBase):
         max_pending_outputs: int = 64,
         abort_timeout_s: float = 1.0,
         shutdown_timeout_s: float = 5.0,
+        _role: DataParallelRole | None = None,
     ) -> None:
         self.shutdown_timeout_s = shutdown_timeout_s
         super().__init__(
@@ -123,6 +172,10 @@ class TrioMPClient(TrioClientBase):
             max_pending_outputs=max_pending_outputs,
             abort_timeout_s=abort_timeout_s,
         )
+        role = _role if _role is not None else DataParallelRole.single(config)
+        self._role = role
+        self._router = Router(self._state.engines, role.load_balancer)
+        self._waves = WaveFollower(stamps=role.data_parallel)
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._input: TrioSocket | None = None
         self._output: TrioSocket | None = None
@@ -131,7 +184,7 @@ class TrioMPClient(TrioClientBase):
         self._ipc_dir: str | None = None
         self._handshake_ready: set[bytes] = set()
         self._subscription: TrioSocket | None = None
-        self._coordinator_addresses: CoordinatorAddresses | None = None
+        self._coordinator_addresses: CoordinatorAddresses | None = role.coordinator
         self._startup_scope: trio.CancelScope | None = None
         self._remote: RemoteEngines | None = None
         self._refusals = CurveRefusals()
@@ -150,40 +203,148 @@ class TrioMPClient(TrioClientBase):
         assert self._input is not None, "the client is not started"
         return self._input
 
-    async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        frames = [engine.identity, _ADD, *self._encoder.encode(request)]
-        await self._sock_in().send_multipart(frames)
+    def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        self._waves.stamp(request)
+        self._send([engine.identity, _ADD, *self._encoder.encode(request)])
 
-    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        frames = [engine.identity, _ADD, *self._encoder.encode(request)]
-        self._sock_in().send_multipart_nowait(frames)
+    def _send(self, frames: list[Any]) -> None:
+        try:
+            self._sock_in().send_multipart_nowait(frames)
+        except trio.WouldBlock:  # pragma: no cover - a ROUTER with HWM 0 never blocks
+            raise EngineCoreError("the input socket refused a message") from None
 
     def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         logger.debug("engine rank %d: ABORT %d request(s)", engine.rank, len(request_ids))
-        try:
-            self._sock_in().send_multipart_nowait(
-                [engine.identity, _ABORT, *self._encoder.encode(request_ids)]
-            )
-        except trio.WouldBlock:  # pragma: no cover - a ROUTER with HWM 0 never blocks
-            logger.warning("could not send ABORT for %d request(s)", len(request_ids))
+        self._send([engine.identity, _ABORT, *self._encoder.encode(request_ids)])
 
-    async def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
-        await self._sock_in().send_multipart(
-            [engine.identity, _UTILITY, *self._encoder.encode(call)]
-        )
+    def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+        self._send([engine.identity, _UTILITY, *self._encoder.encode(call)])
+
+    @property
+    def load_balancer(self) -> LoadBalancer | None:
+        """The policy choosing each request's engine (None: one engine takes all)."""
+        return self._router.load_balancer
+
+    @property
+    def current_wave(self) -> int:
+        """The request wave the coordinator last published (0 before the first)."""
+        return self._waves.current_wave
+
+    @property
+    def engines_running(self) -> bool:
+        """Whether the engines are in a wave, as the coordinator last published."""
+        return self._waves.engines_running
+
+    async def wait_wave_change(self) -> tuple[int, bool]:
+        """Wait until the coordinator publishes a different wave or running state.
+
+        A client following no coordinator (one engine) sees no change: the wait ends
+        only by raising, when the client dies or closes.
+
+        Returns the new ``(current_wave, engines_running)``. Cancellation leaves
+        nothing changed.
+
+        Raises:
+            EngineDeadError: an engine died (before or while waiting).
+            trio.ClosedResourceError: the client is closed (before or while waiting).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._state.raise_if_unusable()
+        await self._waves.wait_changed()
+        self._state.raise_if_unusable()
+        return self._waves.current_wave, self._waves.engines_running
 
     def _ranks(self) -> range:
         """The data-parallel ranks this client talks to."""
-        return range(self.config.data_parallel_size)
+        return self._role.ranks
+
+    def _engine_for(self, request: EngineCoreRequest) -> EngineHandle:
+        return self._router.engine_for(request)
+
+    def _utility_engine(self) -> EngineHandle:
+        return self._router.utility_engine()
 
     async def _join_coordinator(self, nursery: trio.Nursery, *, launch: bool) -> None:
-        """The data-parallel clients subscribe to a coordinator (launching one if asked)."""
-        await trio.lowlevel.checkpoint()
+        """Data-parallel clients follow a coordinator: the one given, else (launching
+        engines) one of their own, launched here; the external-LB kind must be given one."""
+        addresses = self._coordinator_addresses
+        if not self._role.data_parallel or (addresses is None and not launch):
+            await trio.lowlevel.checkpoint()
+            return
+        if addresses is None:
+            if not self._role.launches_coordinator:
+                raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
+            if self._remote is not None:
+                # Engines reach it over TCP; this client, in the same context, in-process.
+                addresses = attrs.evolve(
+                    CoordinatorAddresses.on_host(self._remote.host),
+                    publish=f"inproc://coordinator-{secrets.token_hex(8)}",
+                )
+            else:
+                assert self._ipc_dir is not None
+                addresses = CoordinatorAddresses.in_directory(self._ipc_dir)
+            addresses = await nursery.start(
+                self._run_socket_task,
+                partial(
+                    serve_coordinator,
+                    self._ctx,
+                    engines=len(self._state.engines),
+                    addresses=addresses,
+                    curve=self._remote.curve if self._remote is not None else None,
+                ),
+            )
+            self._coordinator_addresses = addresses
+        await self._subscribe(nursery, addresses.publish)
 
     async def _join_announced_coordinator(self, nursery: trio.Nursery) -> None:
-        """Attached data-parallel clients given no coordinator follow the one the
-        engines' ready messages name (``dp_stats_address``), as vLLM's client does."""
-        await trio.lowlevel.checkpoint()
+        if not self._role.data_parallel:
+            await trio.lowlevel.checkpoint()
+            return
+        announced = {e.ready.dp_stats_address for e in self._state.engines if e.ready is not None}
+        announced.discard(None)
+        if self._subscription is not None or not announced:
+            await trio.lowlevel.checkpoint()
+            return
+        if len(announced) > 1:
+            raise EngineStartupError(
+                f"the engines name different coordinators: {sorted(map(str, announced))}"
+            )
+        (address,) = announced
+        assert address is not None
+        logger.debug("following the coordinator the engines named, at %s", address)
+        await self._subscribe(nursery, address)
+
+    async def _subscribe(self, nursery: trio.Nursery, publish_address: str) -> None:
+        sock = make_socket(self._ctx, zmq.XSUB)
+        try:
+            curve = self._remote.curve if self._remote is not None else None
+            if curve is not None and publish_address.startswith("tcp://"):
+                # A shared coordinator holds the frontends' key pair: we prove we are a
+                # frontend with the same key, and check it is theirs.
+                curve.as_client_of_itself().apply(sock)
+            connect_address(sock, publish_address, role="coordinator publish address")
+            await sock.send_multipart([COORDINATOR_SUBSCRIBE])
+        except BaseException:
+            sock.close()
+            raise
+        self._subscription = sock
+        nursery.start_soon(self._coordinator_loop, sock)
+
+    async def _coordinator_loop(self, sock: TrioSocket) -> None:
+        """Follow the coordinator's publications: loads, wave, running state."""
+        decoder = MsgpackDecoder(CoordinatorPublication)
+        try:
+            while True:
+                for frames in await sock.drain():
+                    try:
+                        self._waves.fold(decoder.decode(frames), self._state.engines)
+                    except (ProtocolError, IndexError) as exc:
+                        logger.error("dropping an invalid coordinator message: %s", exc)
+        except trio.ClosedResourceError:
+            if not self._state.closing:
+                raise
+        finally:
+            sock.close()
 
     def _coordinator_fields(self) -> dict[str, str]:
         """The coordinator's addresses, for the handshake metadata."""
@@ -197,6 +358,7 @@ class TrioMPClient(TrioClientBase):
         }
 
     def _on_engine_death(self, engine: EngineHandle) -> None:
+        self._waves.announce()  # wakes wave waiters, who then raise
         death, self._a_death = self._a_death, trio.Event()
         death.set()
         if self._startup_scope is not None:
@@ -212,10 +374,10 @@ class TrioMPClient(TrioClientBase):
             try:
                 batch = await sock.drain(budget)
             except trio.ClosedResourceError:
-                if self._closing:
+                if self._state.closing:
                     return  # aclose() closed the socket under us: the normal way out
                 raise
-            before = self._batched_outputs
+            before = self._state.batched_outputs
             for frames in batch:
                 self._handle_message(frames)
             # Outputs for get_output() wait in the batch buffer as decoded objects, so
@@ -224,7 +386,7 @@ class TrioMPClient(TrioClientBase):
             # messages/s of 256 outputs): drain about _DRAIN_OUTPUTS of them per batch.
             # Stream outputs are merged into their streams as they arrive, so for them
             # the bigger the batch the fewer reader wake-ups: drain all that is there.
-            per_message = max(1, (self._batched_outputs - before) // len(batch))
+            per_message = max(1, (self._state.batched_outputs - before) // len(batch))
             budget = max(1, min(_MAX_DRAIN_MESSAGES, _DRAIN_OUTPUTS // per_message))
 
     def _handle_message(self, frames: Frames) -> None:
@@ -234,10 +396,9 @@ class TrioMPClient(TrioClientBase):
         try:
             message = self._decoder.decode(frames)
         except ProtocolError as exc:
-            self._protocol_errors += 1
-            logger.error("dropping an undecodable output message: %s", exc)
+            self._state.undecodable(exc)
             return
-        self._handle_outputs(message)
+        self._state.handle_outputs(message)
 
     def _engine_reported_dead(self) -> None:
         """Someone sent ENGINE_CORE_DEAD: one frame, which does not say who.
@@ -247,7 +408,7 @@ class TrioMPClient(TrioClientBase):
         the liveness checks) says which one it was: only that engine's requests fail.
         If that cannot tell within a bounded time, every engine is failed.
         """
-        suspects = [engine for engine in self._engines if engine.alive]
+        suspects = [engine for engine in self._state.engines if engine.alive]
         window = self._attribution_window_s()
         if len(suspects) <= 1 or window is None or self._nursery is None:
             for engine in suspects:
@@ -257,7 +418,7 @@ class TrioMPClient(TrioClientBase):
         self._nursery.start_soon(self._attribute_death, suspects, window)
 
     def _attribution_window_s(self) -> float | None:
-        if all(engine.process is not None for engine in self._engines):
+        if all(engine.process is not None for engine in self._state.engines):
             return _ATTRIBUTION_WINDOW_S
         if self._checks is not None:
             interval_s, timeout_s, _ = self._checks
@@ -280,7 +441,7 @@ class TrioMPClient(TrioClientBase):
         process = engine.process
         assert process is not None
         code = await process.wait()
-        if not self._closing:
+        if not self._state.closing:
             with trio.move_on_after(1):
                 await engine.stderr_done.wait()
             self._engine_died(engine, engine.exit_description(with_name=False))
@@ -306,13 +467,14 @@ class TrioMPClient(TrioClientBase):
                 "remote engines join through the handshake: give remote= or the attach "
                 "addresses, not both"
             )
-        self._engines = [EngineHandle.for_rank(rank) for rank in self._ranks()]
+        # In place: the router shares the list.
+        self._state.engines[:] = [EngineHandle.for_rank(rank) for rank in self._ranks()]
         self._remote = remote
         self._nursery = nursery
-        local = self._engines
+        local = self._state.engines
         local_arguments: list[str] = []
         if remote is not None:
-            local = [e for e in self._engines if e.rank not in remote.joining(self._ranks())]
+            local = [e for e in self._state.engines if e.rank not in remote.joining(self._ranks())]
             if local:
                 # Engines we launch use TCP like the remote ones; their key files (and
                 # nothing else) go in a private directory.
@@ -386,9 +548,11 @@ class TrioMPClient(TrioClientBase):
         nursery.start_soon(self._receive_loop)
         self._checks = checks = self._liveness_checks(attach, liveness)
         if checks is not None:
-            for engine in self._engines:
+            for engine in self._state.engines:
                 nursery.start_soon(self._check_liveness, engine, *checks)
-        logger.info("client ready: %d engine(s) serving %r", len(self._engines), self.config.model)
+        logger.info(
+            "client ready: %d engine(s) serving %r", len(self._state.engines), self.config.model
+        )
 
     def _liveness_checks(
         self, attach: bool, liveness: Liveness | None
@@ -490,7 +654,7 @@ class TrioMPClient(TrioClientBase):
 
     async def _startup_error(self, timeout_s: float, timed_out: bool) -> EngineStartupError:
         details: list[str] = []
-        for engine in self._engines:
+        for engine in self._state.engines:
             if engine.identity in self._ready_messages and engine.alive:
                 continue
             if engine.process is not None and engine.process.returncode is not None:
@@ -558,7 +722,7 @@ class TrioMPClient(TrioClientBase):
                 parallel_config=group,
             )
         )
-        waiting = {engine.identity: engine for engine in self._engines}
+        waiting = {engine.identity: engine for engine in self._state.engines}
         while waiting:
             identity, *payload = await sock.recv_multipart()
             try:
@@ -599,7 +763,7 @@ class TrioMPClient(TrioClientBase):
 
     async def _wait_handshake_ready(self, sock: TrioSocket) -> None:
         decoder: MsgpackDecoder[HandshakeHello | HandshakeReady] = MsgpackDecoder(HandshakeMessage)
-        waiting = {engine.identity for engine in self._engines} - self._handshake_ready
+        waiting = {engine.identity for engine in self._state.engines} - self._handshake_ready
         while waiting:
             identity, *payload = await sock.recv_multipart()
             message = decoder.decode(payload)
@@ -612,7 +776,7 @@ class TrioMPClient(TrioClientBase):
     async def _wait_ready(self) -> None:
         sock = self._sock_in()
         decoder = MsgpackDecoder(EngineCoreReadyResponse)
-        waiting = {engine.identity: engine for engine in self._engines}
+        waiting = {engine.identity: engine for engine in self._state.engines}
         while waiting:
             frames = await sock.recv_multipart()
             if len(frames) != 2:
@@ -644,18 +808,19 @@ class TrioMPClient(TrioClientBase):
         Runs shielded from cancellation (bounded by the timeout), like every Trio
         ``aclose``.
         """
-        if self._closed:
+        if self._state.closed:
             await trio.lowlevel.checkpoint()
             return
         with trio.CancelScope(shield=True):
             if self._input is not None:
                 self._fail_waiters_on_close()
-            self._closing = True
+            self._state.closing = True
+            self._waves.announce()  # wakes wave waiters, who then raise
             await self._stop_processes(self.shutdown_timeout_s)
             # The engines have exited (after SIGTERM, or SIGKILL): their lifelines go.
-            for engine in self._engines:
+            for engine in self._state.engines:
                 engine.close_lifeline()
-            self._closed = True
+            self._state.closed = True
             # Sockets owned by tasks must be closed by their task before the context
             # goes (closing a socket under a waiting task breaks the wait).
             for scope, _ in self._socket_tasks:
@@ -673,14 +838,14 @@ class TrioMPClient(TrioClientBase):
             logger.debug("client closed: sockets, context and private directory released")
 
     async def _stop_processes(self, timeout_s: float) -> None:
-        processes = [e.process for e in self._engines if e.process is not None]
+        processes = [e.process for e in self._state.engines if e.process is not None]
         # An engine that reported a fatal error is on its way out: a SIGTERM now would
         # cut off its last log lines, which say why it failed.
         with trio.move_on_after(min(_DEAD_ENGINE_EXIT_S, timeout_s)):
-            for engine in self._engines:
+            for engine in self._state.engines:
                 if engine.process is not None and engine.death is not None:
                     await engine.process.wait()
-        for engine in self._engines:
+        for engine in self._state.engines:
             if engine.process is not None and engine.process.returncode is None:
                 logger.debug("shutdown: sending SIGTERM to %s", engine.describe())
                 engine.process.terminate()
@@ -697,10 +862,10 @@ class TrioMPClient(TrioClientBase):
         # An exited engine's last lines (often why it died) are still in the pipe:
         # let the reader relay them before the pipe is closed under it.
         with trio.move_on_after(_STDERR_DRAIN_S):
-            for engine in self._engines:
+            for engine in self._state.engines:
                 if engine.process is not None:
                     await engine.stderr_done.wait()
-        for engine in self._engines:
+        for engine in self._state.engines:
             engine.alive = False
             if engine.process is not None:
                 logger.debug("shutdown: %s", engine.exit_description(with_stderr=False))
@@ -783,128 +948,8 @@ class DPTrioMPClient(TrioMPClient):
             max_pending_outputs=max_pending_outputs,
             abort_timeout_s=abort_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
+            _role=DataParallelRole.one_rank(config, coordinator),
         )
-        self._coordinator_addresses = coordinator
-        self._current_wave: int = 0
-        self._engines_running: bool = False
-        self._wave_changed = trio.Event()
-
-    @property
-    def current_wave(self) -> int:
-        """The request wave the coordinator last published (0 before the first)."""
-        return self._current_wave
-
-    @property
-    def engines_running(self) -> bool:
-        """Whether the engines are in a wave, as the coordinator last published."""
-        return self._engines_running
-
-    async def wait_wave_change(self) -> tuple[int, bool]:
-        """Wait until the coordinator publishes a different wave or running state.
-
-        Returns the new ``(current_wave, engines_running)``. Cancellation leaves
-        nothing changed.
-
-        Raises:
-            EngineDeadError: an engine died (before or while waiting).
-            trio.ClosedResourceError: the client is closed (before or while waiting).
-        """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._raise_if_unusable()
-        await self._wave_changed.wait()
-        self._raise_if_unusable()
-        return self._current_wave, self._engines_running
-
-    def _on_engine_death(self, engine: EngineHandle) -> None:
-        super()._on_engine_death(engine)
-        self._announce_wave_change()  # wakes waiters, who then raise
-
-    def _fail_waiters_on_close(self) -> None:
-        super()._fail_waiters_on_close()
-        self._announce_wave_change()  # wakes waiters, who then raise
-
-    def _ranks(self) -> range:
-        rank = self.config.data_parallel_rank
-        return range(rank, rank + 1)
-
-    async def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        request.current_wave = self._current_wave
-        await super()._transport_add(engine, request)
-
-    def _transport_add_nowait(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        request.current_wave = self._current_wave
-        super()._transport_add_nowait(engine, request)
-
-    async def _join_coordinator(self, nursery: trio.Nursery, *, launch: bool) -> None:
-        if self._coordinator_addresses is None:
-            if not launch:
-                await trio.lowlevel.checkpoint()
-                return
-            raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
-        await self._subscribe(nursery, self._coordinator_addresses.publish)
-
-    async def _join_announced_coordinator(self, nursery: trio.Nursery) -> None:
-        announced = {e.ready.dp_stats_address for e in self._engines if e.ready is not None}
-        announced.discard(None)
-        if self._subscription is not None or not announced:
-            await trio.lowlevel.checkpoint()
-            return
-        if len(announced) > 1:
-            raise EngineStartupError(
-                f"the engines name different coordinators: {sorted(map(str, announced))}"
-            )
-        (address,) = announced
-        assert address is not None
-        logger.debug("following the coordinator the engines named, at %s", address)
-        await self._subscribe(nursery, address)
-
-    async def _subscribe(self, nursery: trio.Nursery, publish_address: str) -> None:
-        sock = make_socket(self._ctx, zmq.XSUB)
-        try:
-            curve = self._remote.curve if self._remote is not None else None
-            if curve is not None and publish_address.startswith("tcp://"):
-                # A shared coordinator holds the frontends' key pair: we prove we are a
-                # frontend with the same key, and check it is theirs.
-                curve.as_client_of_itself().apply(sock)
-            connect_address(sock, publish_address, role="coordinator publish address")
-            await sock.send_multipart([COORDINATOR_SUBSCRIBE])
-        except BaseException:
-            sock.close()
-            raise
-        self._subscription = sock
-        nursery.start_soon(self._coordinator_loop, sock)
-
-    async def _coordinator_loop(self, sock: TrioSocket) -> None:
-        """Follow the coordinator's publications: loads, wave, running state."""
-        decoder = MsgpackDecoder(CoordinatorPublication)
-        try:
-            while True:
-                for frames in await sock.drain():
-                    try:
-                        self._fold_publication(decoder.decode(frames))
-                    except (ProtocolError, IndexError) as exc:
-                        logger.error("dropping an invalid coordinator message: %s", exc)
-        except trio.ClosedResourceError:
-            if not self._closing:
-                raise
-        finally:
-            sock.close()
-
-    def _fold_publication(self, publication: CoordinatorPublication) -> None:
-        if publication.counts is not None:
-            for engine in self._engines:
-                waiting, running, kv_usage = publication.counts[engine.rank]
-                engine.load.waiting = waiting
-                engine.load.running = running
-                engine.load.kv_usage = kv_usage
-        state = (publication.current_wave, publication.engines_running)
-        if state != (self._current_wave, self._engines_running):
-            self._current_wave, self._engines_running = state
-            self._announce_wave_change()
-
-    def _announce_wave_change(self) -> None:
-        self._wave_changed.set()
-        self._wave_changed = trio.Event()
 
 
 @final
@@ -947,52 +992,15 @@ class DPLBTrioMPClient(DPTrioMPClient):
         abort_timeout_s: float = 1.0,
         shutdown_timeout_s: float = 5.0,
     ) -> None:
-        super().__init__(
+        TrioMPClient.__init__(
+            self,
             config,
-            coordinator=coordinator,
             client_index=client_index,
             max_pending_outputs=max_pending_outputs,
             abort_timeout_s=abort_timeout_s,
             shutdown_timeout_s=shutdown_timeout_s,
+            _role=DataParallelRole.balanced(config, load_balancer or LeastLoaded(), coordinator),
         )
-        self.load_balancer: LoadBalancer = load_balancer or LeastLoaded()
-
-    def _ranks(self) -> range:
-        return range(self.config.data_parallel_size)
-
-    def _engine_for(self, request: EngineCoreRequest) -> EngineHandle:
-        index = self.load_balancer.choose(
-            [engine.load for engine in self._engines], request.data_parallel_rank
-        )
-        return self._engines[index]
-
-    async def _join_coordinator(self, nursery: trio.Nursery, *, launch: bool) -> None:
-        addresses = self._coordinator_addresses
-        if addresses is None:
-            if not launch:
-                await trio.lowlevel.checkpoint()
-                return
-            if self._remote is not None:
-                # Engines reach it over TCP; this client, in the same context, in-process.
-                addresses = attrs.evolve(
-                    CoordinatorAddresses.on_host(self._remote.host),
-                    publish=f"inproc://coordinator-{secrets.token_hex(8)}",
-                )
-            else:
-                assert self._ipc_dir is not None
-                addresses = CoordinatorAddresses.in_directory(self._ipc_dir)
-            addresses = await nursery.start(
-                self._run_socket_task,
-                partial(
-                    run_coordinator,
-                    self._ctx,
-                    engines=len(self._engines),
-                    addresses=addresses,
-                    curve=self._remote.curve if self._remote is not None else None,
-                ),
-            )
-            self._coordinator_addresses = addresses
-        await self._subscribe(nursery, addresses.publish)
 
 
 def _new_client(

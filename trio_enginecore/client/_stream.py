@@ -1,4 +1,10 @@
-"""Per-request output streams."""
+"""Per-request output streams: a feeding half and a reading half.
+
+:func:`open_request_stream` returns both halves of one stream, as
+:func:`trio.open_memory_channel` does: the client's receive side pushes outputs into the
+:class:`StreamFeed`, the caller reads them from the :class:`RequestStream`. They share
+one buffer, which never holds more than one (merged) output.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,109 @@ from ._collector import merge_outputs
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["RequestStream"]
+__all__ = ["RequestStream", "StreamFeed", "open_request_stream"]
+
+
+def open_request_stream(
+    request_id: str, *, on_close: Callable[[StreamFeed], None]
+) -> tuple[StreamFeed, RequestStream]:
+    """The two halves of a new stream of request ``request_id``.
+
+    ``on_close(feed)`` is called once, when the reading half is closed.
+    """
+    feed = StreamFeed(request_id, on_close)
+    return feed, RequestStream(feed)
+
+
+@final
+class StreamFeed:
+    """The feeding half of a stream: what the client's receive side calls.
+
+    Its methods never block and never checkpoint. The reading half,
+    :class:`RequestStream`, reads the same fields.
+    """
+
+    __slots__ = (
+        "closed",
+        "event",
+        "failure",
+        "failure_type",
+        "finished_delivered",
+        "finished_received",
+        "on_close",
+        "pending",
+        "receiving",
+        "request_error",
+        "request_id",
+        "tokens_received",
+        "wire_id",
+    )
+
+    def __init__(self, request_id: str, on_close: Callable[[StreamFeed], None]) -> None:
+        self.request_id = request_id
+        """The request's id, as the caller gave it."""
+        self.wire_id = request_id
+        """The id the request travels under: ``request_id``, or a fresh one when the
+        caller reused the id of a request aborted moments before."""
+        self.on_close = on_close
+        self.pending: EngineCoreOutput | None = None
+        self.finished_received = False
+        self.finished_delivered = False
+        self.failure: str | None = None
+        self.failure_type: type[EngineCoreError] = EngineDeadError
+        self.request_error: RequestError | None = None
+        self.closed = False
+        self.event: trio.Event | None = None
+        self.receiving = False
+        self.tokens_received = 0
+
+    def push(self, output: EngineCoreOutput) -> None:
+        """Hand over one output, merging it into any the reader has not taken yet.
+
+        Raises:
+            ProtocolError: the output cannot be merged with the pending one (the
+                engine broke the protocol); nothing changed.
+        """
+        if self.finished_received or self.closed:
+            return
+        if self.pending is None:
+            self.pending = output
+        else:
+            merge_outputs(self.pending, output)
+        self.tokens_received += len(output.new_token_ids)
+        if output.finish_reason is not None:
+            self.finished_received = True
+        self.wake()
+
+    def fail(self, reason: str, error_type: type[EngineCoreError] = EngineDeadError) -> None:
+        """The request cannot go on: its engine died (or sent what cannot be used).
+
+        The outputs already pending are still delivered; then ``receive`` raises
+        ``error_type(reason)``.
+        """
+        if self.failure is None and not self.finished_received:
+            self.failure = reason
+            self.failure_type = error_type
+            self.wake()
+
+    def abort_locally(self) -> None:
+        """The request was aborted by the client: end the stream with an ABORT output."""
+        if not self.finished_received and self.failure is None:
+            self.push(EngineCoreOutput(self.request_id, [], finish_reason=FinishReason.ABORT))
+
+    def close(self) -> None:
+        """Close the stream (the reading half's ``aclose``): pending outputs are
+        dropped, a waiting reader wakes up, ``on_close`` runs once."""
+        if not self.closed:
+            self.closed = True
+            self.pending = None
+            self.wake()
+            self.on_close(self)
+
+    def wake(self) -> None:
+        if self.event is not None:
+            self.event.set()
+            self.event = None
 
 
 @final
@@ -38,66 +146,27 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
     or raises :class:`trio.Cancelled` leaving the stream unchanged.
     """
 
-    def __init__(self, request_id: str, *, on_close: Callable[[RequestStream], None]) -> None:
-        self.request_id = request_id
+    __slots__ = ("_feed",)
+
+    def __init__(self, feed: StreamFeed) -> None:
+        self._feed = feed
+
+    @property
+    def request_id(self) -> str:
         """The request's id, as the caller gave it."""
-        self.wire_id = request_id
-        """The id the request travels under: ``request_id``, or a fresh one when the
-        caller reused the id of a request aborted moments before."""
-        self._on_close = on_close
-        self._pending: EngineCoreOutput | None = None
-        self._finished_received = False
-        self._finished_delivered = False
-        self._failure: str | None = None
-        self._failure_type: type[EngineCoreError] = EngineDeadError
-        self._request_error: RequestError | None = None
-        self._closed = False
-        self._event: trio.Event | None = None
-        self._receiving = False
-        self.tokens_received = 0
+        return self._feed.request_id
 
-    # ------------------------------------------------------- receive-task side
-
-    def _push(self, output: EngineCoreOutput) -> None:
-        """Hand over one output (called by the receive task; never blocks)."""
-        if self._finished_received or self._closed:
-            return
-        if self._pending is None:
-            self._pending = output
-        else:
-            merge_outputs(self._pending, output)
-        self.tokens_received += len(output.new_token_ids)
-        if output.finish_reason is not None:
-            self._finished_received = True
-        self._wake()
-
-    def _fail(self, reason: str, error_type: type[EngineCoreError] = EngineDeadError) -> None:
-        """The request cannot go on: its engine died (or sent what cannot be used).
-
-        The outputs already pending are still delivered; then ``receive`` raises
-        ``error_type(reason)``.
-        """
-        if self._failure is None and not self._finished_received:
-            self._failure = reason
-            self._failure_type = error_type
-            self._wake()
-
-    def _abort_locally(self) -> None:
-        """The request was aborted by the client: end the stream with an ABORT output."""
-        if not self._finished_received and self._failure is None:
-            self._push(EngineCoreOutput(self.request_id, [], finish_reason=FinishReason.ABORT))
-
-    def _wake(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
+    @property
+    def tokens_received(self) -> int:
+        """New token ids received for the request so far (delivered or pending)."""
+        return self._feed.tokens_received
 
     # ------------------------------------------------------------ reader side
 
     @property
     def finished(self) -> bool:
         """True once the engine reported the request finished (or it was aborted)."""
-        return self._finished_received
+        return self._feed.finished_received
 
     async def receive(self) -> EngineCoreOutput:
         """The next output of the request (merged with any that queued up).
@@ -115,30 +184,31 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
         # between taking an output and returning it: a cancelled receive has taken
         # nothing. (Waiting is the schedule point when nothing is pending yet.)
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._pending is not None:
+        feed = self._feed
+        if feed.pending is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
-        if self._receiving:
+        if feed.receiving:
             raise trio.BusyResourceError("another task is already receiving on this stream")
-        self._receiving = True
+        feed.receiving = True
         try:
-            while self._pending is None:
-                if self._closed:
+            while feed.pending is None:
+                if feed.closed:
                     raise trio.ClosedResourceError("this stream was closed")
-                if self._request_error is not None:
+                if feed.request_error is not None:
                     raise self._request_failed()
-                if self._finished_delivered:
+                if feed.finished_delivered:
                     raise trio.EndOfChannel
-                if self._failure is not None:
-                    raise self._failure_type(self._failure)
-                event = self._event = trio.Event()
+                if feed.failure is not None:
+                    raise feed.failure_type(feed.failure)
+                event = feed.event = trio.Event()
                 await event.wait()
         finally:
-            self._receiving = False
-        output, self._pending = self._pending, None
+            feed.receiving = False
+        output, feed.pending = feed.pending, None
         if output.finish_reason is not None:
-            self._finished_delivered = True
+            feed.finished_delivered = True
             if output.finish_reason is FinishReason.ERROR:
-                self._request_error = output.error or RequestError("unknown", "")
+                feed.request_error = output.error or RequestError("unknown", "")
                 if not output.new_token_ids:
                     raise self._request_failed()
                 # Tokens merged into the failed output came before the failure: they
@@ -149,7 +219,7 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
         return output
 
     def _request_failed(self) -> RequestFailedError:
-        error = self._request_error
+        error = self._feed.request_error
         assert error is not None
         return RequestFailedError(
             self.request_id, error.code, error.message, retryable=error.retryable
@@ -161,12 +231,5 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
         Closing does not abort the request by itself: leaving the ``client.stream``
         block does that.
         """
-        self._close()
+        self._feed.close()
         await trio.lowlevel.checkpoint()
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pending = None
-            self._wake()
-            self._on_close(self)

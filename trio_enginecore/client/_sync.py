@@ -23,13 +23,15 @@ import trio
 from ..config import EngineConfig
 from ..errors import UtilityCallError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, UtilityOutput
-from ._interface import ClientStatistics, convert_result
+from ._interface import ClientStatistics
 from ._mp import TrioMPClient, open_trio_mp_client
+from ._utilities import UTILITIES, UtilitySpec, combine, convert_each
 
 __all__ = ["EngineCoreClient", "SyncMPClient"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
+R = TypeVar("R")
 T = TypeVar("T")
 
 
@@ -85,88 +87,99 @@ class EngineCoreClient(abc.ABC):
             raise UtilityCallError(method, reply.failure_message)
         return reply.result.result if reply.result is not None else None
 
-    def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
-        """What every typed wrapper calls: ``method(*args)`` on the engine, its result
-        converted to ``result_type``. Each wrapper is named after its utility."""
-        return convert_result(method, self.call_utility(method, *args), result_type)
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every engine; one untyped result per engine, by rank.
+
+        A client with one engine answers ``[self.call_utility(method, *args)]``.
+        """
+        return [self.call_utility(method, *args)]
+
+    def _utility(self, spec: UtilitySpec[R], *args: Any) -> R:
+        # Every typed wrapper, as the Trio interface's: ask every engine, then combine
+        # as the table says.
+        return combine(spec, self.call_utility_all(spec.name, *args))
 
     def is_sleeping(self) -> bool:
-        """Whether the engine is asleep."""
-        return self._typed_call(bool, "is_sleeping")
+        """Whether the engine is asleep (with several engines, they must agree)."""
+        return self._utility(UTILITIES.is_sleeping)
 
     def sleep(self, level: int = 1) -> None:
-        """Put the engine to sleep: it stops stepping until :meth:`wake_up`."""
-        self._typed_call(type(None), "sleep", level)
+        """Put the engine (every engine) to sleep: it stops stepping until :meth:`wake_up`."""
+        return self._utility(UTILITIES.sleep, level)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake the engine up after :meth:`sleep`; whether it is fully awake."""
-        awake = self._typed_call(bool | None, "wake_up", tags)  # type: ignore[arg-type]
-        return awake is not False
+        return self._utility(UTILITIES.wake_up, tags)
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         """Clear the engine's prefix cache; False if it could not (requests running)."""
-        return self._typed_call(bool, "reset_prefix_cache", reset_running_requests, reset_connector)
+        return self._utility(UTILITIES.reset_prefix_cache, reset_running_requests, reset_connector)
 
     def profile(self, is_start: bool = True) -> None:
         """Start (or stop) the engine's profiler."""
-        self._typed_call(type(None), "profile", is_start)
+        return self._utility(UTILITIES.profile, is_start)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter on the engine; False if there is no room."""
-        return self._typed_call(bool, "add_lora", lora_request)
+        return self._utility(UTILITIES.add_lora, lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unregister a LoRA adapter; False if it was not registered."""
-        return self._typed_call(bool, "remove_lora", lora_id)
+        return self._utility(UTILITIES.remove_lora, lora_id)
 
     def list_loras(self) -> set[int]:
         """Ids of the LoRA adapters registered on the engine."""
-        return self._typed_call(set[int], "list_loras")
+        return self._utility(UTILITIES.list_loras)
 
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a LoRA adapter registered; False if it is not registered."""
-        return self._typed_call(bool, "pin_lora", lora_id)
+        return self._utility(UTILITIES.pin_lora, lora_id)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """The tasks the engine serves, e.g. ``("generate",)``."""
-        return self._typed_call(tuple[str, ...], "get_supported_tasks")
+        return self._utility(UTILITIES.get_supported_tasks)
 
     def execute_dummy_batch(self) -> None:
         """Run the model once on a throwaway batch (a warm-up)."""
-        self._typed_call(type(None), "execute_dummy_batch")
+        return self._utility(UTILITIES.execute_dummy_batch)
 
     def set_weight_version(self, version: str | None) -> None:
         """Record the weight version the engine reports on its outputs."""
-        self._typed_call(type(None), "set_weight_version", version)
+        return self._utility(UTILITIES.set_weight_version, version)
 
     def get_weight_version(self) -> str | None:
         """The weight version set with :meth:`set_weight_version`."""
-        return self._typed_call(str | None, "get_weight_version")  # type: ignore[arg-type]
+        return self._utility(UTILITIES.get_weight_version)
 
     def pause_scheduler(
         self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
     ) -> None:
         """Pause the engine's scheduler (see the Trio client's ``pause_scheduler``)."""
-        self._typed_call(type(None), "pause_scheduler", mode, clear_cache)
+        return self._utility(UTILITIES.pause_scheduler, mode, clear_cache)
 
     def resume_scheduler(self) -> None:
         """Resume the engine's scheduler after :meth:`pause_scheduler`."""
-        self._typed_call(type(None), "resume_scheduler")
+        return self._utility(UTILITIES.resume_scheduler)
 
     def is_scheduler_paused(self) -> bool:
         """Whether the engine's scheduler is paused."""
-        return self._typed_call(bool, "is_scheduler_paused")
+        return self._utility(UTILITIES.is_scheduler_paused)
 
     def get_request_counts(self) -> tuple[int, int]:
-        """``(waiting, running)`` request counts of the engine.
+        """``(waiting, running)`` request counts of the engine, summed over the engines.
 
         A reference-engine utility: vLLM 0.33's engines have none (see
         :meth:`AsyncEngineCoreClient.get_request_counts
         <trio_enginecore.AsyncEngineCoreClient.get_request_counts>`).
         """
-        return self._typed_call(tuple[int, int], "get_request_counts")
+        return self._utility(UTILITIES.get_request_counts)
+
+    def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
+        """``(waiting, running)`` of each engine, by rank (see :meth:`get_request_counts`)."""
+        spec = UTILITIES.get_request_counts
+        return convert_each(spec, self.call_utility_all(spec.name))
 
 
 @final
@@ -292,17 +305,6 @@ class SyncMPClient(EngineCoreClient):
     def call_utility_all(self, method: str, *args: Any) -> list[Any]:
         """``method(*args)`` on every engine; one result per engine, by rank."""
         return self._run_in_loop(self._trio_client.call_utility_all, method, *args)
-
-    def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
-        """``(waiting, running)`` of each engine, by rank."""
-        return self._run_in_loop(self._trio_client.get_request_counts_per_engine)
-
-    def _typed_call(self, result_type: type[T], method: str, *args: Any) -> T:
-        # The Trio client's wrapper of the same name: with several engines it asks
-        # every one of them and checks that they agree (or sums the counts), so the
-        # two faces cannot answer differently.
-        wrapper: Callable[..., Awaitable[T]] = getattr(self._trio_client, method)
-        return self._run_in_loop(wrapper, *args)
 
     def statistics(self) -> ClientStatistics:
         return self._trio_client.statistics()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..protocol import identity_for_rank as identity_for_rank
 from ._core import (
     EngineCore as EngineCore,
     FatalEngineError as FatalEngineError,
@@ -18,5 +19,4 @@ from ._proc import (
     EngineCoreProc as EngineCoreProc,
     addresses_for as addresses_for,
     engine_handshake as engine_handshake,
-    identity_for_rank as identity_for_rank,
 )

@@ -46,6 +46,7 @@ from ..protocol import (
     SchedulerStats,
     StartDPWave,
     UtilityRequest,
+    identity_for_rank,
 )
 from ..serial import MsgpackDecoder, MsgpackEncoder
 from ._core import EngineCore, FatalEngineError
@@ -90,11 +91,6 @@ def connect_socket(
         sock.close()
         raise
     return sock
-
-
-def identity_for_rank(rank: int) -> bytes:
-    """The DEALER identity of a data-parallel rank, as vLLM defines it."""
-    return rank.to_bytes(2, "little")
 
 
 async def engine_handshake(

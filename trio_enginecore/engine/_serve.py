@@ -18,17 +18,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import trio
 import zmq
 
-from .._curve import CurveClient, CurveServer
+from .._curve import CurveClient
+from .._program import (
+    EXIT_ADDRESS,
+    EXIT_FATAL,
+    EXIT_OK,
+    EXIT_STARTUP,
+    exit_when_orphaned,
+    first_leaf,
+    report_address_error,
+)
 from ..config import EngineConfig
 from ..errors import AddressError, EngineStartupError
-from ._coordinator import CoordinatorAddresses
 from ._core import FatalEngineError
 from ._proc import EngineCoreProc, addresses_for, engine_handshake
 
@@ -36,11 +43,6 @@ __all__ = ["serve"]
 
 logger = logging.getLogger("trio_enginecore.engine")
 
-EXIT_OK = 0
-EXIT_FATAL = 1
-EXIT_ADDRESS = 2
-"""An address given on the command line could not be bound or connected to."""
-EXIT_STARTUP = 3
 EXIT_CLIENT_GONE = 4
 """The client that launched this engine is gone (its lifeline pipe closed, or with
 ``--exit-with-parent`` the launching process exited): stopped at once, nothing drained."""
@@ -112,7 +114,7 @@ async def _serve(
 
             nursery.start_soon(watch_signals)
             if exit_with_parent:
-                nursery.start_soon(_exit_when_orphaned, client_gone)
+                nursery.start_soon(exit_when_orphaned, client_gone)
             handshake_socket = None
             if handshake_address is not None:
                 handshake_socket, addresses = await engine_handshake(
@@ -135,35 +137,6 @@ async def _watch_lifeline(fd: int, client_gone: Callable[[str], None]) -> None:
     while not lifeline_closed(fd):
         await trio.lowlevel.wait_readable(fd)
     client_gone("its lifeline pipe closed")
-
-
-PARENT_POLL_INTERVAL_S = 0.5
-
-
-async def _exit_when_orphaned(parent_gone: Callable[[str], None]) -> None:
-    """Call ``parent_gone`` once the process that launched this one is gone
-    (``--exit-with-parent``).
-
-    A client killed with SIGKILL cannot stop its engines; without this they would run
-    on as orphans (the kernel reparents them, which changes ``getppid()``). A parent
-    that was already gone when this started is not noticed: the lifeline pipe has no
-    such gap.
-    """
-    parent = os.getppid()
-    while os.getppid() == parent:  # noqa: ASYNC110 - no event exists for this
-        await trio.sleep(PARENT_POLL_INTERVAL_S)
-    parent_gone(f"the launching process, pid {parent}, exited")
-
-
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    return _leaves(group)[0]
-
-
-def _leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        nested = cast("BaseExceptionGroup[BaseException]", error)
-        return [leaf for sub in nested.exceptions for leaf in _leaves(sub)]
-    return [error]
 
 
 def serve(
@@ -211,13 +184,13 @@ def serve(
             )
         )
     except* FatalEngineError as group:
-        logger.critical("engine died: %s", _first_leaf(group))
+        logger.critical("engine died: %s", first_leaf(group))
         exit_code = EXIT_FATAL
     except* AddressError as group:
-        _report_address_error("serve", _first_leaf(group))
+        report_address_error("serve", first_leaf(group))
         exit_code = EXIT_ADDRESS
     except* EngineStartupError as group:
-        logger.critical("engine startup failed: %s", _first_leaf(group))
+        logger.critical("engine startup failed: %s", first_leaf(group))
         exit_code = EXIT_STARTUP
     except* Exception as group:
         logger.critical("engine crashed", exc_info=group)
@@ -236,59 +209,3 @@ def serve(
     elif exit_code == EXIT_CLIENT_GONE:
         logger.warning("engine stopped: %s (exit code %d)", CLIENT_GONE, EXIT_CLIENT_GONE)
     return exit_code
-
-
-def serve_coordinator(
-    *,
-    engines: int,
-    addresses: CoordinatorAddresses,
-    min_interval_s: float,
-    exit_with_parent: bool,
-    curve: CurveServer | None = None,
-) -> int:
-    """Run the data-parallel coordinator until SIGTERM/SIGINT; return the exit code.
-
-    0 once stopped; 2, after one line on stderr, when an address cannot be bound (in
-    use, malformed, an interface this host does not have).
-    """
-    from ..client._coordination import open_coordinator
-
-    async def main() -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with open_coordinator(
-                engines, addresses=addresses, min_interval_s=min_interval_s, curve=curve
-            ) as bound:
-                logger.info(
-                    "coordinator of %d engine(s): stats %s, engines %s, clients %s",
-                    engines,
-                    bound.stats,
-                    bound.engine_publish,
-                    bound.publish,
-                )
-                async with trio.open_nursery() as nursery:
-
-                    def parent_gone(how: str) -> None:
-                        logger.warning("%s: stopping", how)
-                        nursery.cancel_scope.cancel()
-
-                    if exit_with_parent:
-                        nursery.start_soon(_exit_when_orphaned, parent_gone)
-                    async for _ in signals:
-                        nursery.cancel_scope.cancel()
-
-    exit_code = EXIT_OK
-    try:
-        trio.run(main)
-    except* AddressError as group:
-        _report_address_error("coordinator", _first_leaf(group))
-        exit_code = EXIT_ADDRESS
-    except* zmq.ZMQError as group:
-        logger.critical("coordinator startup failed: %s", _first_leaf(group))
-        exit_code = EXIT_STARTUP
-    return exit_code
-
-
-def _report_address_error(command: str, error: BaseException) -> None:
-    """The one line a command prints for an address it cannot use."""
-    sys.stderr.write(f"trio-enginecore {command}: {error}\n")
-    sys.stderr.flush()

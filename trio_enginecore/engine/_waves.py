@@ -17,7 +17,7 @@ rank 0 reports, for all of them. The reference engines have no collective: each 
 reports its own completion, after announcing once that it does so
 (:data:`~trio_enginecore.protocol.REPORTS_OWN_WAVES`), and the coordinator ends the wave
 once rank 0 and every engine that announced itself have reported it (see
-:class:`~trio_enginecore.engine.CoordinatorState`).
+:class:`~trio_enginecore.coordinator.CoordinatorState`).
 """
 
 from __future__ import annotations

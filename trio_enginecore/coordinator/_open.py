@@ -1,4 +1,4 @@
-"""Running a data-parallel coordinator shared by several clients."""
+"""Running a data-parallel coordinator shared by several clients: :func:`open_coordinator`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import trio
 import zmq
 
 from .._curve import CurveRefusal, CurveServer, run_zap_handler
-from ..engine._coordinator import CoordinatorAddresses, run_coordinator
-from ._ipc_dirs import private_ipc_dir
+from .._ipc_dirs import private_ipc_dir
+from ._addresses import CoordinatorAddresses
+from ._serve import serve_coordinator
 
 __all__ = ["open_coordinator"]
 
@@ -71,7 +72,7 @@ async def open_coordinator(
                     await nursery.start(partial(run_zap_handler, ctx, allowed, _log_refusal))
                 bound: CoordinatorAddresses = await nursery.start(
                     partial(
-                        run_coordinator,
+                        serve_coordinator,
                         ctx,
                         engines=engines,
                         addresses=addresses,

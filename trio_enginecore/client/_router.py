@@ -1,0 +1,119 @@
+"""Which engine gets a request, and the request wave the coordinator publishes.
+
+Plain objects, no I/O: the client asks the :class:`Router` where each request goes
+and feeds the coordinator's publications to the :class:`WaveFollower`, which keeps
+the engines' published loads and the current wave (stamped on every request of a
+data-parallel client). The three shapes of client vLLM has are three routers over
+the same client:
+
+* one engine: everything goes to it;
+* one rank of a data-parallel group (external load balancing): the same, to the one
+  engine this client owns;
+* balanced: the :class:`~trio_enginecore.client.LoadBalancer` chooses among the
+  engines, unless the request names its ``data_parallel_rank``.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+import trio
+
+from ..protocol import CoordinatorPublication, EngineCoreRequest
+from ._launch import EngineHandle
+from ._lb import LoadBalancer
+
+__all__ = ["Router", "WaveFollower"]
+
+
+@final
+class Router:
+    """Chooses the engine of each request (see the module docstring).
+
+    Args:
+        engines: the client's engines, by rank (shared with the client's state).
+        load_balancer: the policy choosing among several engines; None sends every
+            request to the first engine (one engine, or the one rank a client owns).
+    """
+
+    __slots__ = ("engines", "load_balancer")
+
+    def __init__(self, engines: list[EngineHandle], load_balancer: LoadBalancer | None) -> None:
+        self.engines = engines
+        self.load_balancer = load_balancer
+
+    def engine_for(self, request: EngineCoreRequest) -> EngineHandle:
+        """The engine ``request`` goes to.
+
+        Raises:
+            ValueError: the request names a ``data_parallel_rank`` out of range.
+        """
+        engines = self.engines
+        balancer = self.load_balancer
+        if balancer is None:
+            return engines[0]
+        index = balancer.choose([engine.load for engine in engines], request.data_parallel_rank)
+        return engines[index]
+
+    def utility_engine(self) -> EngineHandle:
+        """The engine ``call_utility`` asks: rank 0 (the first), as vLLM's clients do."""
+        return self.engines[0]
+
+
+@final
+class WaveFollower:
+    """What the coordinator last published: the engines' loads and the request wave.
+
+    The engines of a MoE group move through request *waves* together; a data-parallel
+    client stamps each request with :attr:`current_wave`. Engines that run no waves
+    (vLLM's dense data parallelism) leave ``(current_wave, engines_running)`` at
+    ``(0, False)``.
+
+    Args:
+        stamps: whether requests are stamped with the wave (data-parallel clients).
+    """
+
+    __slots__ = ("_changed", "current_wave", "engines_running", "stamps")
+
+    def __init__(self, *, stamps: bool) -> None:
+        self.stamps = stamps
+        self.current_wave: int = 0
+        """The request wave the coordinator last published (0 before the first)."""
+        self.engines_running: bool = False
+        """Whether the engines are in a wave, as the coordinator last published."""
+        self._changed = trio.Event()
+
+    def stamp(self, request: EngineCoreRequest) -> None:
+        """Set the request's ``current_wave`` (for data-parallel clients only)."""
+        if self.stamps:
+            request.current_wave = self.current_wave
+
+    def fold(self, publication: CoordinatorPublication, engines: list[EngineHandle]) -> None:
+        """Take in one publication: per-engine counts, then the wave state.
+
+        Raises:
+            IndexError: the counts do not cover every engine's rank (the publication
+                is then ignored as a whole: nothing changed).
+        """
+        counts = publication.counts
+        if counts is not None:
+            loads = [counts[engine.rank] for engine in engines]
+            for engine, (waiting, running, kv_usage) in zip(engines, loads, strict=True):
+                load = engine.load
+                load.waiting = waiting
+                load.running = running
+                load.kv_usage = kv_usage
+        wave, running = publication.current_wave, publication.engines_running
+        if (wave, running) != (self.current_wave, self.engines_running):
+            self.current_wave = wave
+            self.engines_running = running
+            self.announce()
+
+    def announce(self) -> None:
+        """Wake every :meth:`wait_changed` waiter (a change, a death, a close)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        """Wait for the next :meth:`announce`. Cancellation changes nothing."""
+        await self._changed.wait()

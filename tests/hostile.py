@@ -36,6 +36,7 @@ from trio_enginecore import (
     CoordinatorAddresses,
     EngineConfig,
     Liveness,
+    RequestStream,
     TrioMPClient,
     open_engine_client,
 )
@@ -64,16 +65,43 @@ __all__ = [
     "ServingEngine",
     "attached_to_hostile_engine",
     "attached_to_serving_engines",
+    "delivered_until_finished",
     "fence",
     "fence_all",
     "finished",
     "logprobs",
     "output",
+    "streamed_tokens",
 ]
 
 _ADD: Final = EngineCoreRequestType.ADD.value
 _ABORT: Final = EngineCoreRequestType.ABORT.value
 _UTILITY: Final = EngineCoreRequestType.UTILITY.value
+
+
+Delivered = dict[str, list[tuple[list[int], bool]]]
+"""What ``get_output()`` returned, per request: (new token ids, finished) in order."""
+
+
+async def delivered_until_finished(client: TrioMPClient, *request_ids: str) -> Delivered:
+    """Call ``get_output()`` until these requests have finished; everything it returned."""
+    delivered: Delivered = {}
+    waiting = set(request_ids)
+    while waiting:
+        message = await client.get_output()
+        for out in message.outputs:
+            delivered.setdefault(out.request_id, []).append((out.new_token_ids, out.finished))
+            if out.finished:
+                waiting.discard(out.request_id)
+    return delivered
+
+
+async def streamed_tokens(stream: RequestStream) -> list[int]:
+    """Every token of a stream, to its end."""
+    tokens: list[int] = []
+    async for out in stream:
+        tokens += out.new_token_ids
+    return tokens
 
 
 def output(request_id: str, *tokens: int, **fields: Any) -> EngineCoreOutput:

@@ -53,8 +53,6 @@ from trio_enginecore import (
     EngineDeadError,
     EngineStartupError,
     Liveness,
-    RequestStream,
-    TrioMPClient,
     UtilityCallError,
     UtilityOutput,
     UtilityResult,
@@ -70,9 +68,11 @@ from .hostile import (
     HostileEngine,
     ScriptedCoordinator,
     attached_to_serving_engines,
+    delivered_until_finished,
     fence_all,
     finished,
     output,
+    streamed_tokens,
 )
 from .support import open_fds
 
@@ -81,7 +81,6 @@ TIMEOUT_S = 10
 
 COORDINATOR_FRAMES = Path(__file__).parent / "data" / "vllm-0.33.0-coordinator" / "frames.json"
 
-Delivered = dict[str, list[tuple[list[int], bool]]]
 """What ``get_output()`` delivered: per request id, each output's tokens and whether it
 was the finished one."""
 
@@ -90,27 +89,6 @@ def request(request_id: str, *, rank: int | None = None) -> EngineCoreRequest:
     return EngineCoreRequest.for_tokens(
         [1], request_id=request_id, max_tokens=8, data_parallel_rank=rank
     )
-
-
-async def delivered_until_finished(client: TrioMPClient, *request_ids: str) -> Delivered:
-    """Call ``get_output()`` until these requests have finished; everything it returned."""
-    delivered: Delivered = {}
-    waiting = set(request_ids)
-    while waiting:
-        message = await client.get_output()
-        for out in message.outputs:
-            delivered.setdefault(out.request_id, []).append((out.new_token_ids, out.finished))
-            if out.finished:
-                waiting.discard(out.request_id)
-    return delivered
-
-
-async def streamed_tokens(stream: RequestStream) -> list[int]:
-    """Every token of a stream, to its end."""
-    tokens: list[int] = []
-    async for out in stream:
-        tokens += out.new_token_ids
-    return tokens
 
 
 def served_exactly(tokens: list[int]) -> list[tuple[list[int], bool]]:

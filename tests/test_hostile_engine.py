@@ -35,7 +35,6 @@ from trio_enginecore import (
     EngineCoreRequest,
     EngineDeadError,
     ProtocolError,
-    RequestStream,
     TrioMPClient,
     UtilityOutput,
     UtilityResult,
@@ -46,42 +45,22 @@ from trio_enginecore.serial import Buffer, MsgpackEncoder
 from .hostile import (
     HostileEngine,
     attached_to_hostile_engine,
+    delivered_until_finished,
     fence,
     finished,
     logprobs,
     output,
+    streamed_tokens,
 )
 
 TIMEOUT_S = 30
 
-Delivered = dict[str, list[tuple[list[int], bool]]]
 """What ``get_output()`` delivered: per request id, each output's tokens and whether it
 was the finished one."""
 
 
 def request(request_id: str) -> EngineCoreRequest:
     return EngineCoreRequest.for_tokens([1], request_id=request_id, max_tokens=8)
-
-
-async def delivered_until_finished(client: TrioMPClient, *request_ids: str) -> Delivered:
-    """Call ``get_output()`` until these requests have finished; everything it returned."""
-    delivered: Delivered = {}
-    waiting = set(request_ids)
-    while waiting:
-        message = await client.get_output()
-        for out in message.outputs:
-            delivered.setdefault(out.request_id, []).append((out.new_token_ids, out.finished))
-            if out.finished:
-                waiting.discard(out.request_id)
-    return delivered
-
-
-async def streamed_tokens(stream: RequestStream) -> list[int]:
-    """Every token of a stream, to its end."""
-    tokens: list[int] = []
-    async for out in stream:
-        tokens += out.new_token_ids
-    return tokens
 
 
 async def nothing_else_is_pending(engine: HostileEngine, client: TrioMPClient) -> None:

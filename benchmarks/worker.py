@@ -70,7 +70,7 @@ import zmq
 
 from trio_enginecore import _bench
 from trio_enginecore._zmq import make_socket
-from trio_enginecore.client import TrioClientBase, open_engine_client
+from trio_enginecore.client import TrioEngineClient, open_engine_client
 from trio_enginecore.config import EngineConfig
 from trio_enginecore.protocol import EngineCoreOutput, EngineCoreOutputs
 from trio_enginecore.serial import MsgpackDecoder, MsgpackEncoder
@@ -92,7 +92,7 @@ def _announce_ready() -> None:
 
 
 async def _recv_trio(
-    client: TrioClientBase, *, batch: int, timeout_s: float = 300.0
+    client: TrioEngineClient, *, batch: int, timeout_s: float = 300.0
 ) -> dict[str, Any]:
     """Receive path against ``benchmarks.flood`` through the batch API.
 

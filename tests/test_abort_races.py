@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import trio
 
 from trio_enginecore import (
@@ -23,6 +24,7 @@ from trio_enginecore import (
     TrioMPClient,
     open_engine_client,
 )
+from trio_enginecore.client._state import ClientState
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
 from .support import expected
@@ -166,17 +168,19 @@ async def test_the_fake_engine_reports_reused_ids_as_the_caller_gave_them() -> N
     assert [r.external_req_id or r.request_id for r in engine.requests] == ["r", "r"]
 
 
-async def test_a_background_failure_reaches_the_block_instead_of_a_cancelled() -> None:
+async def test_a_background_failure_reaches_the_block_instead_of_a_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     engine = FakeEngine(step_time_s=0.01)
     broken = RuntimeError("a bug in the receive path")
     raised: BaseException | None = None
     try:
         async with open_fake_engine_client(engine) as client:
 
-            def handle(message: object) -> None:
+            def handle(state: object, message: object) -> None:
                 raise broken
 
-            client._handle_outputs = handle  # type: ignore[method-assign]
+            monkeypatch.setattr(ClientState, "handle_outputs", handle)
             async with client.stream(EngineCoreRequest.for_tokens([1])) as outputs:
                 async for _ in outputs:
                     pass

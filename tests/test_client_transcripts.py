@@ -54,13 +54,16 @@ from trio_enginecore import (
     EngineStartupError,
     Liveness,
     UtilityCallError,
-    UtilityOutput,
-    UtilityResult,
     open_engine_client,
 )
 from trio_enginecore.client import DPLBTrioMPClient
 from trio_enginecore.engine import EngineCore
-from trio_enginecore.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs
+from trio_enginecore.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    UtilityOutput,
+    UtilityResult,
+)
 from trio_enginecore.serial import Buffer, MsgpackEncoder
 
 from .hostile import (
@@ -664,8 +667,8 @@ async def test_with_two_engines_a_utility_failure_reply_names_the_engine_that_fa
                 await e0.reply(asked_0, "w1")
             (failure,) = failures
             assert failure.method == "get_weight_version"
-            assert f"engine 1: {FAILURE}" in str(failure)
-            assert failure.engine_message.endswith(FAILURE)
+            assert f"failed on engine 1: {FAILURE}" in str(failure)
+            assert (failure.engine_message, failure.rank) == (FAILURE, 1)
             assert not client.is_dead
             assert client.statistics().pending_utility_calls == 0
             assert client.statistics().engines_alive == 2

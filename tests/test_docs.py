@@ -269,6 +269,45 @@ def test_all_lists_every_public_reexport() -> None:
     assert public <= set(trio_enginecore.__all__)
 
 
+# The wire plumbing: not at the top level (issue 15), in its own modules.
+WIRE_PLUMBING = {
+    "protocol": [
+        "ENGINE_CORE_DEAD",
+        "EngineCoreEvent",
+        "EngineCoreEventType",
+        "EngineCoreReadyResponse",
+        "EngineCoreRequestType",
+        "EngineHandshakeMetadata",
+        "EngineZmqAddresses",
+        "HandshakeHello",
+        "HandshakeMessage",
+        "HandshakeReady",
+        "Tensor",
+        "UtilityOutput",
+        "UtilityResult",
+    ],
+    "serial": ["MsgpackDecoder", "MsgpackEncoder"],
+}
+
+
+def test_the_wire_plumbing_is_in_its_modules_not_at_the_top_level() -> None:
+    for module_name, names in WIRE_PLUMBING.items():
+        module = importlib.import_module(f"trio_enginecore.{module_name}")
+        for name in names:
+            assert name in module.__all__, f"{module.__name__}.{name}"
+            assert name not in trio_enginecore.__all__, name
+            assert not hasattr(trio_enginecore, name), name
+
+
+def test_engine_consensus_error_is_one_class_with_the_other_errors() -> None:
+    from trio_enginecore import client, errors
+
+    assert errors.EngineConsensusError.__module__ == "trio_enginecore.errors"
+    assert issubclass(errors.EngineConsensusError, errors.EngineCoreError)
+    assert trio_enginecore.EngineConsensusError is errors.EngineConsensusError
+    assert client.EngineConsensusError is errors.EngineConsensusError
+
+
 # -------------------------------------------------------------- coming from vLLM
 
 # The public methods of vLLM's EngineCoreClient family (EngineCoreClient, InprocClient,

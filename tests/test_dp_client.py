@@ -172,7 +172,7 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
     config = EngineConfig(data_parallel_size=3, step_time_s=0.01, max_num_seqs=4)
     with trio.fail_after(30):
         async with open_engine_client(config) as client:
-            tasks = client._socket_tasks  # pyright: ignore[reportPrivateUsage]
+            tasks = client.transport._socket_tasks  # pyright: ignore[reportPrivateUsage]
             assert len(tasks) == 1  # the coordinator
             async with trio.open_nursery() as nursery:
                 for i in range(30):

@@ -29,17 +29,15 @@ import pytest
 import trio
 
 from trio_enginecore import (
-    ENGINE_CORE_DEAD,
     EngineCoreError,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDeadError,
     ProtocolError,
     TrioMPClient,
-    UtilityOutput,
-    UtilityResult,
 )
 from trio_enginecore.client._state import ClientState
+from trio_enginecore.protocol import ENGINE_CORE_DEAD, UtilityOutput, UtilityResult
 from trio_enginecore.serial import Buffer, MsgpackEncoder
 
 from .hostile import (

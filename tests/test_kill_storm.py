@@ -34,6 +34,7 @@ from trio_enginecore import (
     TrioMPClient,
     open_engine_client,
 )
+from trio_enginecore.client._startup import StartupProgress
 
 from .support import children_of_this_process, open_fds
 
@@ -197,18 +198,18 @@ async def test_an_engine_killed_during_startup_gives_one_startup_error(
     said HELLO. It can never become ready, whatever the moment."""
     rng = random.Random(SEED + 2000 + trial)
     delay = rng.uniform(0, 2.0)
-    handshake = TrioMPClient._handshake  # pyright: ignore[reportPrivateUsage]
+    handshake = StartupProgress.handshake
     killed: list[float] = []
 
-    async def kill_then_handshake(client: TrioMPClient, *args: Any) -> None:
+    async def kill_then_handshake(progress: StartupProgress, *args: Any) -> None:
         await trio.sleep(delay)
-        (pid,) = client.engine_pids
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        (engine,) = progress.engines
+        assert engine.process is not None
+        os.kill(engine.process.pid, signal.SIGKILL)
         killed.append(delay)
-        await handshake(client, *args)
+        await handshake(progress, *args)
 
-    monkeypatch.setattr(TrioMPClient, "_handshake", kill_then_handshake)
+    monkeypatch.setattr(StartupProgress, "handshake", kill_then_handshake)
     fds_before = open_fds()
     with trio.fail_after(60), pytest.raises(EngineStartupError) as caught:
         async with open_engine_client(EngineConfig(), ready_timeout_s=30):

@@ -44,6 +44,7 @@ from trio_enginecore._zmq import TrioSocket
 from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.client._remote import connectable
+from trio_enginecore.client._zmq_transport import local_engine_keys
 from trio_enginecore.protocol import EngineHandshakeMetadata, HandshakeHello, HandshakeReady
 from trio_enginecore.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -535,13 +536,13 @@ async def test_a_refused_peer_that_keeps_reconnecting_is_counted_not_kept(
     import trio_enginecore.client._mp as mp
 
     clients: list[TrioMPClient] = []
-    new_client = mp._new_client  # pyright: ignore[reportPrivateUsage]
+    new_client = mp.new_mp_client
 
     def keep_client(*args: Any, **kwargs: Any) -> TrioMPClient:
         clients.append(new_client(*args, **kwargs))
         return clients[-1]
 
-    monkeypatch.setattr(mp, "_new_client", keep_client)
+    monkeypatch.setattr(mp, "new_mp_client", keep_client)
     keys = Keys(tmp_path, engines=1)
     server = keys.server()
     strangers = [zmq.curve_keypair() for _ in range(12)]
@@ -559,7 +560,7 @@ async def test_a_refused_peer_that_keeps_reconnecting_is_counted_not_kept(
                     pytest.fail("no engine with an allowed key joined")
             nursery.cancel_scope.cancel()
     (client,) = clients
-    record = client._refusals  # pyright: ignore[reportPrivateUsage]
+    record = client.transport.refusals
     assert record.total >= refused[0] - 1 > 100
     assert len(record.recent) == record.keep == 16
     kept = [public.decode() for public, _ in strangers[: record.keep_keys]]
@@ -728,11 +729,6 @@ def test_a_z85_key_starting_with_a_dash_reaches_the_engine_command_line(tmp_path
     keys = CurveKeyPair.generate()
     while not keys.public.startswith(b"-"):
         keys = CurveKeyPair.generate()
-    client = TrioMPClient(EngineConfig(data_parallel_size=2))
-    try:
-        client._ipc_dir = str(tmp_path)  # pyright: ignore[reportPrivateUsage]
-        _, arguments = client._local_engine_keys(CurveServer(keys, []))  # pyright: ignore[reportPrivateUsage]
-    finally:
-        client._ctx.destroy(linger=0)  # pyright: ignore[reportPrivateUsage]
+    _, arguments = local_engine_keys(str(tmp_path), CurveServer(keys, []))
     args = _parser().parse_args(["serve", "--handshake-address", "ipc:///x", *arguments])
     assert load_public_key(args.curve_server_key) == keys.public

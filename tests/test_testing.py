@@ -81,8 +81,13 @@ async def test_utilities_default_scripted_and_failing() -> None:
         engine.on_utility("sleep", explode)
         with pytest.raises(UtilityCallError, match="out of memory"):
             await client.sleep()
-        with pytest.raises(UtilityCallError, match="no utility"):
+        # Every typed utility answers as the reference engine's does...
+        await client.profile()
+        with pytest.raises(UtilityCallError, match="profiler is already running"):
             await client.profile()
+        # ... and a method the engine does not have fails as on a real engine.
+        with pytest.raises(UtilityCallError, match="no utility 'collective_rpc'"):
+            await client.call_utility("collective_rpc", "x")
     assert ("sleep", (1,)) in engine.utility_calls
 
 

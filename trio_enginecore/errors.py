@@ -9,7 +9,8 @@ so ``except trio_enginecore.errors.EngineCoreError`` catches all of them::
     │   └── AddressError       an address could not be bound or connected to
     ├── EngineDeadError        an engine died while the client was using it
     ├── RequestFailedError     the engine ended a streamed request with an error
-    └── UtilityCallError       an engine-side utility method raised
+    ├── UtilityCallError       an engine-side utility method raised
+    └── EngineConsensusError   engines that should agree gave different answers
 
 Mistakes in the arguments of a call (a request id that is not a ``str``, a request id
 already in flight, ...) are the built-in ``TypeError`` and ``ValueError``, raised before
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 __all__ = [
     "AddressError",
+    "EngineConsensusError",
     "EngineCoreError",
     "EngineDeadError",
     "EngineStartupError",
@@ -108,9 +110,17 @@ class UtilityCallError(EngineCoreError):
     Attributes:
         method: the utility method that was called.
         engine_message: the engine's failure message, verbatim.
+        rank: the data-parallel rank of the engine that failed, when the call went to
+            several engines (None for a call to one).
     """
 
-    def __init__(self, method: str, engine_message: str) -> None:
-        super().__init__(f"utility call {method!r} failed on the engine: {engine_message}")
+    def __init__(self, method: str, engine_message: str, *, rank: int | None = None) -> None:
+        where = "the engine" if rank is None else f"engine {rank}"
+        super().__init__(f"utility call {method!r} failed on {where}: {engine_message}")
         self.method = method
         self.engine_message = engine_message
+        self.rank = rank
+
+
+class EngineConsensusError(EngineCoreError):
+    """Engines that should agree (e.g. on ``is_sleeping``) gave different answers."""

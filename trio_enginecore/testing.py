@@ -14,8 +14,11 @@ time). :func:`open_fake_engine_client` gives a client with the full Trio client 
     assert engine.aborted == []
 
 Unscripted requests behave like the built-in ``counter`` model: one token per step,
-each the previous token plus one, until ``max_tokens`` (finish reason LENGTH). The
-engine records what it received (:attr:`FakeEngine.requests`, :attr:`FakeEngine.aborted`,
+each the previous token plus one, until ``max_tokens`` (finish reason LENGTH) or a
+token of ``stop_token_ids`` (STOP). Every typed utility of the client (LoRA adapters up
+to ``max_loras``, sleep, the profiler, pausing, weight versions, ...) is answered as
+the reference engine answers it. The engine records what it received
+(:attr:`FakeEngine.requests`, :attr:`FakeEngine.aborted`,
 :attr:`FakeEngine.utility_calls`), can fail utilities on demand and can die
 (:meth:`FakeEngine.kill`), so your error handling can be tested too.
 
@@ -33,21 +36,27 @@ from typing import Any, final
 import attrs
 import trio
 
-from .client._base import TrioClientBase, run_client
-from .client._launch import EngineHandle
+from .client import ClientLink, EngineHandle, TrioEngineClient, run_client
 from .config import EngineConfig
 from .protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     RequestError,
     UtilityOutput,
     UtilityRequest,
     UtilityResult,
 )
 
-__all__ = ["FakeEngine", "FakeEngineClient", "ScriptedResponse", "open_fake_engine_client"]
+__all__ = [
+    "FakeEngine",
+    "FakeEngineClient",
+    "FakeTransport",
+    "ScriptedResponse",
+    "open_fake_engine_client",
+]
 
 
 @attrs.frozen
@@ -73,9 +82,12 @@ class FakeEngine:
         vocab_size: wraps the counter-style tokens of unscripted requests.
     """
 
-    def __init__(self, *, step_time_s: float = 0.0, vocab_size: int = 32000) -> None:
+    def __init__(
+        self, *, step_time_s: float = 0.0, vocab_size: int = 32000, max_loras: int = 4
+    ) -> None:
         self.step_time_s = step_time_s
         self.vocab_size = vocab_size
+        self.max_loras = max_loras
         self.requests: list[EngineCoreRequest] = []
         """Every request the engine received, in order."""
         self.aborted: list[str] = []
@@ -85,8 +97,14 @@ class FakeEngine:
         self._scripts: dict[str, ScriptedResponse] = {}
         self._utilities: dict[str, UtilityHandler] = self._default_utilities()
         self._sleeping = False
-        self.client: FakeEngineClient | None = None
+        self._profiling = False
+        self._paused = False
+        self._weight_version: str | None = None
+        self._loras: set[int] = set()
+        self.client: TrioEngineClient | None = None
         """The client connected to this engine, once there is one."""
+        self.transport: FakeTransport | None = None
+        """The transport of that client."""
 
     # ----------------------------------------------------------------- scripting
 
@@ -123,13 +141,13 @@ class FakeEngine:
 
     def kill(self, reason: str = "killed by the test") -> None:
         """Die now: every waiter of the client gets ``EngineDeadError``."""
-        if self.client is not None:
-            self.client.die(reason)
+        if self.transport is not None:
+            self.transport.die(reason)
 
     @property
     def in_flight(self) -> int:
         """Requests the engine is still producing outputs for."""
-        return self.client.playing if self.client is not None else 0
+        return self.transport.playing if self.transport is not None else 0
 
     def response_for(self, request: EngineCoreRequest) -> ScriptedResponse:
         """The scripted response, or the counter-style default.
@@ -145,69 +163,119 @@ class FakeEngine:
             return scripted
         params = request.sampling_params
         count = params.max_tokens if params is not None and params.max_tokens else 16
+        stops: set[int] = set(params.stop_token_ids or ()) if params is not None else set()
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
-        steps = tuple(((last + i) % self.vocab_size,) for i in range(1, count + 1))
-        return ScriptedResponse(steps)
+        steps: list[tuple[int, ...]] = []
+        for i in range(1, count + 1):
+            token = (last + i) % self.vocab_size
+            steps.append((token,))
+            if token in stops:
+                return ScriptedResponse(tuple(steps), FinishReason.STOP, stop_reason=token)
+        return ScriptedResponse(tuple(steps))
 
     def utility_handler(self, method: str) -> UtilityHandler | None:
         """What answers utility ``method`` (see :meth:`on_utility`), or None."""
         return self._utilities.get(method)
 
     def _default_utilities(self) -> dict[str, UtilityHandler]:
-        def sleep(level: int = 1) -> None:
+        # Every typed utility of the client, answered as the reference engine does
+        # (minus the model): an application's calls work under the fake unchanged.
+        def sleep(level: int = 1, *_: Any) -> None:
             self._sleeping = True
 
         def wake_up(tags: Any = None) -> bool:
             self._sleeping = False
             return True
 
-        def counts() -> tuple[int, int]:
-            return 0, self.in_flight
+        def profile(is_start: bool = True, *_: Any) -> None:
+            if is_start == self._profiling:
+                state = "already running" if is_start else "not running"
+                raise RuntimeError(f"the profiler is {state}")
+            self._profiling = is_start
+
+        def add_lora(lora_request: LoRARequest) -> bool:
+            lora_id = lora_request.lora_int_id
+            if lora_id not in self._loras and len(self._loras) >= self.max_loras:
+                return False
+            self._loras.add(lora_id)
+            return True
+
+        def pin_lora(lora_id: int) -> bool:
+            return lora_id in self._loras
+
+        def remove_lora(lora_id: int) -> bool:
+            found = lora_id in self._loras
+            self._loras.discard(lora_id)
+            return found
+
+        def set_paused(paused: bool) -> Callable[..., None]:
+            def pause_or_resume(*_: Any) -> None:
+                self._paused = paused
+
+            return pause_or_resume
+
+        def set_weight_version(version: str | None) -> None:
+            self._weight_version = version
 
         return {
             "is_sleeping": lambda: self._sleeping,
             "sleep": sleep,
             "wake_up": wake_up,
+            "profile": profile,
             "get_supported_tasks": lambda: ("generate",),
-            "get_request_counts": counts,
-            "list_loras": list,
+            "get_request_counts": lambda: (0, self.in_flight),
+            "add_lora": add_lora,
+            "remove_lora": remove_lora,
+            "pin_lora": pin_lora,
+            "list_loras": lambda: set(self._loras),
             "reset_prefix_cache": lambda *args: True,
-            "is_scheduler_paused": lambda: False,
+            "execute_dummy_batch": lambda: None,
+            "set_weight_version": set_weight_version,
+            "get_weight_version": lambda: self._weight_version,
+            "pause_scheduler": set_paused(True),
+            "resume_scheduler": set_paused(False),
+            "is_scheduler_paused": lambda: self._paused,
         }
 
 
 @final
-class FakeEngineClient(TrioClientBase):
-    """A Trio client connected to a :class:`FakeEngine` (no process, no socket)."""
+class FakeTransport:
+    """The transport of a client connected to a :class:`FakeEngine`: each request is
+    played by a task of the client's nursery, one scripted step per
+    ``engine.step_time_s``; utility calls are answered by the engine's handlers."""
 
-    def __init__(self, engine: FakeEngine, *, max_pending_outputs: int = 64) -> None:
-        super().__init__(EngineConfig(), max_pending_outputs=max_pending_outputs)
+    def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
-        self._state.engines = [EngineHandle(rank=0, identity=b"\x00\x00")]
-        self._nursery: trio.Nursery | None = None
-        self._plays: dict[str, trio.CancelScope] = {}
         self.playing = 0
         """Requests the fake engine is still producing outputs for."""
-        engine.client = self
+        self._plays: dict[str, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
+        self._link: ClientLink | None = None
 
-    async def _start(self, nursery: trio.Nursery) -> None:
+    async def start(self, nursery: trio.Nursery, link: ClientLink) -> None:
         self._nursery = nursery
+        self._link = link
+        link.state.engines[:] = [EngineHandle(rank=0, identity=b"\x00\x00")]
         await trio.lowlevel.checkpoint()
 
-    def _spawn(self, function: Callable[[], Any]) -> None:
-        assert self._nursery is not None, "the client is not started"
-        self._nursery.start_soon(function)
+    def _started(self) -> tuple[trio.Nursery, ClientLink]:
+        assert self._nursery is not None, "not started"
+        assert self._link is not None, "not started"
+        return self._nursery, self._link
 
-    def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+    def send_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
         # Never blocks: add_requests() hands the whole batch over with one checkpoint,
         # as with the real transports.
+        nursery, link = self._started()
         self.engine.requests.append(request)
         scope = trio.CancelScope()
         self._plays[request.request_id] = scope
         self.playing += 1
-        self._spawn(lambda: self._play(request, scope))
+        nursery.start_soon(self._play, request, scope, link)
 
-    async def _play(self, request: EngineCoreRequest, scope: trio.CancelScope) -> None:
+    async def _play(
+        self, request: EngineCoreRequest, scope: trio.CancelScope, link: ClientLink
+    ) -> None:
         response = self.engine.response_for(request)
         try:
             with scope:
@@ -222,22 +290,23 @@ class FakeEngineClient(TrioClientBase):
                         stop_reason=response.stop_reason if last else None,
                         error=response.error if last else None,
                     )
-                    self._handle_outputs(EngineCoreOutputs(outputs=[output]))
+                    link.state.handle_outputs(EngineCoreOutputs(outputs=[output]))
         finally:
             self._plays.pop(request.request_id, None)
             self.playing -= 1
 
-    def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
+    def send_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
+        _, link = self._started()
         for request_id in request_ids:
-            self.engine.aborted.append(self._state.user_id(request_id))
+            self.engine.aborted.append(link.state.user_id(request_id))
             scope = self._plays.get(request_id)
             if scope is not None:
                 scope.cancel()
 
-    def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+    def send_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+        nursery, link = self._started()
         self.engine.utility_calls.append((call.method, tuple(call.args)))
-        reply = self._run_utility(call)
-        self._spawn(lambda: self._reply(reply))
+        nursery.start_soon(self._reply, self._run_utility(call), link)
 
     def _run_utility(self, call: UtilityRequest) -> UtilityOutput:
         handler = self.engine.utility_handler(call.method)
@@ -249,38 +318,49 @@ class FakeEngineClient(TrioClientBase):
             return UtilityOutput(call.call_id, f"Call to {call.method} method failed: {exc}")
         return UtilityOutput(call.call_id, None, UtilityResult(result))
 
-    async def _reply(self, reply: UtilityOutput) -> None:
+    async def _reply(self, reply: UtilityOutput, link: ClientLink) -> None:
         await trio.lowlevel.checkpoint()
-        self._handle_outputs(EngineCoreOutputs(utility_output=reply))
+        link.state.handle_outputs(EngineCoreOutputs(utility_output=reply))
 
     def die(self, reason: str) -> None:
         """Fail the client as a dead engine would (see :meth:`FakeEngine.kill`)."""
         for scope in self._plays.values():
             scope.cancel()
-        self._engine_died(self._state.engines[0], reason)
+        if self._link is not None:
+            self._link.engine_died(self._link.state.engines[0], reason)
+
+    def engine_death_recorded(self, engine: EngineHandle) -> None:
+        """Nothing more to stop: :meth:`die` stopped every play."""
 
     async def aclose(self) -> None:
-        """Abort what is in flight and stop the fake engine. Idempotent."""
-        if not self._state.closed:
-            self._fail_waiters_on_close()
-            self._state.closed = True
-            for scope in self._plays.values():
-                scope.cancel()
+        """Stop every play."""
+        for scope in self._plays.values():
+            scope.cancel()
         await trio.lowlevel.checkpoint()
+
+
+FakeEngineClient = TrioEngineClient
+"""What :func:`open_fake_engine_client` yields: the library's one Trio client class,
+over a :class:`FakeTransport` (the name is kept for the annotations of tests)."""
 
 
 @asynccontextmanager
 async def open_fake_engine_client(
     engine: FakeEngine | None = None, *, max_pending_outputs: int = 64
-) -> AsyncGenerator[FakeEngineClient, None]:
+) -> AsyncGenerator[TrioEngineClient, None]:
     """A client connected to ``engine`` (a new :class:`FakeEngine` by default).
 
-    Same contract as :func:`~trio_enginecore.open_engine_client`: leaving the block
-    aborts in-flight requests; the block's exception propagates unchanged; if the
-    engine was killed and the block did not raise, it raises ``EngineDeadError``.
+    The client is the real :class:`~trio_enginecore.client.TrioEngineClient` (every
+    rule of the request bookkeeping, streams and cancellation is the library's own);
+    only its transport is fake. Same contract as
+    :func:`~trio_enginecore.open_engine_client`: leaving the block aborts in-flight
+    requests; the block's exception propagates unchanged; if the engine was killed
+    and the block did not raise, it raises ``EngineDeadError``.
     """
-    client = FakeEngineClient(
-        engine if engine is not None else FakeEngine(), max_pending_outputs=max_pending_outputs
-    )
-    async with run_client(client, client._start) as running:  # pyright: ignore[reportPrivateUsage]
+    engine = engine if engine is not None else FakeEngine()
+    transport = FakeTransport(engine)
+    client = TrioEngineClient(transport, EngineConfig(), max_pending_outputs=max_pending_outputs)
+    engine.transport = transport
+    engine.client = client
+    async with run_client(client) as running:
         yield running

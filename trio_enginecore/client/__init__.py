@@ -8,7 +8,7 @@ from ..coordinator import (
     CoordinatorAddresses as CoordinatorAddresses,
     open_coordinator as open_coordinator,
 )
-from ._base import TrioClientBase as TrioClientBase
+from ._client import TrioEngineClient as TrioEngineClient
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
 from ._factory import (
     ClientKind as ClientKind,
@@ -16,11 +16,16 @@ from ._factory import (
     open_engine_client as open_engine_client,
     select_client_kind as select_client_kind,
 )
-from ._inproc import InprocClient as InprocClient, TrioInprocClient as TrioInprocClient
+from ._inproc import (
+    InprocClient as InprocClient,
+    InprocTransport as InprocTransport,
+    TrioInprocClient as TrioInprocClient,
+)
 from ._interface import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
 )
+from ._launch import EngineHandle as EngineHandle
 from ._lb import (
     EngineConsensusError as EngineConsensusError,
     EngineLoad as EngineLoad,
@@ -34,6 +39,13 @@ from ._mp import (
     TrioMPClient as TrioMPClient,
     connect_engine_client as connect_engine_client,
 )
+from ._options import ClientOptions as ClientOptions
 from ._remote import Liveness as Liveness, RemoteEngines as RemoteEngines
+from ._running import run_client as run_client
 from ._stream import RequestStream as RequestStream
 from ._sync import EngineCoreClient as EngineCoreClient, SyncMPClient as SyncMPClient
+from ._transport import ClientLink as ClientLink, Transport as Transport
+from ._zmq_transport import ZmqTransport as ZmqTransport
+
+TrioClientBase = TrioEngineClient
+"""The former name of :class:`TrioEngineClient` (it was an abstract base class)."""

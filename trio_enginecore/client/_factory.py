@@ -9,12 +9,13 @@ from typing import Any, Literal, overload
 from .._listeners import ListenerFd
 from ..config import EngineConfig
 from ..coordinator import CoordinatorAddresses
-from ._base import TrioClientBase
+from ._client import TrioEngineClient
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
 from ._lb import LoadBalancer
-from ._mp import EXTERNAL_LB_NEEDS_COORDINATOR, TrioMPClient, open_trio_mp_client
+from ._mp import TrioMPClient, open_trio_mp_client
 from ._remote import DEFAULT_LIVENESS, Liveness, RemoteEngines
 from ._sync import EngineCoreClient, SyncMPClient
+from ._topology import EXTERNAL_LB_NEEDS_COORDINATOR
 
 __all__ = ["ClientKind", "make_client", "open_engine_client", "select_client_kind"]
 
@@ -113,7 +114,7 @@ def open_engine_client(
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
     liveness: Liveness | None = DEFAULT_LIVENESS,
-) -> AbstractAsyncContextManager[TrioClientBase]: ...
+) -> AbstractAsyncContextManager[TrioEngineClient]: ...
 
 
 def open_engine_client(
@@ -130,7 +131,7 @@ def open_engine_client(
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
     liveness: Liveness | None = DEFAULT_LIVENESS,
-) -> AbstractAsyncContextManager[TrioClientBase]:
+) -> AbstractAsyncContextManager[TrioEngineClient]:
     """Open a Trio engine client: ``async with open_engine_client(config) as client:``.
 
     With ``multiprocess=True`` (the default) it launches the engine(s) described by

@@ -21,19 +21,96 @@ from ..config import EngineConfig
 from ..engine import EngineCore, FatalEngineError
 from ..errors import EngineDeadError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, UtilityOutput, UtilityRequest
-from ._base import TrioClientBase, run_client
+from ._client import TrioEngineClient
 from ._interface import ClientStatistics
 from ._launch import EngineHandle
+from ._running import run_client
 from ._sync import EngineCoreClient
+from ._transport import ClientLink
 from ._validate import check_request
 
-__all__ = ["InprocClient", "TrioInprocClient", "open_trio_inproc_client"]
+__all__ = ["InprocClient", "InprocTransport", "TrioInprocClient", "open_trio_inproc_client"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
 
 @final
-class TrioInprocClient(TrioClientBase):
+class InprocTransport:
+    """The engine as a task of the client's nursery: the in-process transport.
+
+    Calls reach the engine through an inbox it empties between model steps (the
+    core is only touched by the engine task, never while a step runs in the worker
+    thread); its messages are handed to the client's state as the step returns them.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._work = trio.Event()
+
+    def _post(self, action: Callable[[], None]) -> None:
+        self._inbox.append(action)
+        self._work.set()
+
+    def send_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
+        self._post(lambda: self.core.add_request(request))
+
+    def send_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
+        self._post(lambda: self.core.abort_requests(request_ids))
+
+    def send_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
+        self._post(
+            lambda: self.core.call_utility(call.client_index, call.call_id, call.method, call.args)
+        )
+
+    async def start(self, nursery: trio.Nursery, link: ClientLink) -> None:
+        engine = EngineHandle.for_rank(self.config.data_parallel_rank)
+        engine.ready = self.core.ready_response()
+        link.state.engines[:] = [engine]
+        nursery.start_soon(self._engine_loop, link)
+        await trio.lowlevel.checkpoint()
+
+    def engine_death_recorded(self, engine: EngineHandle) -> None:
+        """Nothing to do: the engine task has ended already."""
+
+    async def aclose(self) -> None:
+        """Nothing to release: the engine task ends with the client's nursery."""
+        await trio.lowlevel.checkpoint()
+
+    async def _engine_loop(self, link: ClientLink) -> None:
+        core = self.core
+        state = link.state
+        step_time = self.config.step_time_s
+        try:
+            while True:
+                while self._inbox:
+                    self._inbox.popleft()()
+                self._deliver_utility_replies(link)
+                if core.can_step:
+                    messages = await trio.to_thread.run_sync(core.step)
+                    for message in messages.values():
+                        state.handle_outputs(message)
+                    self._deliver_utility_replies(link)
+                    if step_time:
+                        await trio.sleep(step_time)
+                    else:
+                        await trio.lowlevel.checkpoint()
+                    continue
+                await self._work.wait()
+                self._work = trio.Event()
+        except FatalEngineError as exc:
+            link.engine_died(state.engines[0], f"fatal engine error: {exc}")
+
+    def _deliver_utility_replies(self, link: ClientLink) -> None:
+        for _, reply in self.core.take_utility_outputs():
+            link.state.handle_outputs(
+                EngineCoreOutputs(engine_index=self.config.data_parallel_rank, utility_output=reply)
+            )
+
+
+@final
+class TrioInprocClient(TrioEngineClient):
     """A Trio client whose engine runs as a task of its own nursery.
 
     Same API and semantics as :class:`~trio_enginecore.TrioMPClient`, with two
@@ -50,77 +127,18 @@ class TrioInprocClient(TrioClientBase):
         client_index: int = 0,
         max_pending_outputs: int = 64,
     ) -> None:
-        super().__init__(config, client_index=client_index, max_pending_outputs=max_pending_outputs)
-        self.core = EngineCore(config)
-        self._state.engines = [EngineHandle.for_rank(config.data_parallel_rank)]
-        self._state.engines[0].ready = self.core.ready_response()
-        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
-        self._work = trio.Event()
-
-    @property
-    def engine_pids(self) -> tuple[int | None, ...]:
-        """Always ``(None,)``, since the engine runs in this process."""
-        return (None,)
-
-    # The inbox decouples callers from the engine loop: the core is only touched by
-    # the loop, never while a step runs in the worker thread.
-    def _post(self, action: Callable[[], None]) -> None:
-        self._inbox.append(action)
-        self._work.set()
-
-    def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        self._post(lambda: self.core.add_request(request))
-
-    def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
-        self._post(lambda: self.core.abort_requests(request_ids))
-
-    def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
-        self._post(
-            lambda: self.core.call_utility(call.client_index, call.call_id, call.method, call.args)
+        self.transport = InprocTransport(config)
+        super().__init__(
+            self.transport,
+            config,
+            client_index=client_index,
+            max_pending_outputs=max_pending_outputs,
         )
 
-    async def _start(self, nursery: trio.Nursery) -> None:
-        nursery.start_soon(self._engine_loop)
-        await trio.lowlevel.checkpoint()
-
-    async def _engine_loop(self) -> None:
-        core = self.core
-        engine = self._state.engines[0]
-        step_time = self.config.step_time_s
-        try:
-            while True:
-                while self._inbox:
-                    self._inbox.popleft()()
-                self._deliver_utility_replies()
-                if core.can_step:
-                    messages = await trio.to_thread.run_sync(core.step)
-                    for message in messages.values():
-                        self._handle_outputs(message)
-                    self._deliver_utility_replies()
-                    if step_time:
-                        await trio.sleep(step_time)
-                    else:
-                        await trio.lowlevel.checkpoint()
-                    continue
-                await self._work.wait()
-                self._work = trio.Event()
-        except FatalEngineError as exc:
-            self._engine_died(engine, f"fatal engine error: {exc}")
-
-    def _deliver_utility_replies(self) -> None:
-        for _, reply in self.core.take_utility_outputs():
-            self._handle_outputs(
-                EngineCoreOutputs(engine_index=self.config.data_parallel_rank, utility_output=reply)
-            )
-
-    async def aclose(self) -> None:
-        """Abort in-flight requests and stop the engine loop. Idempotent."""
-        if not self._state.closed:
-            self._fail_waiters_on_close()
-            self._state.closed = True
-            for engine in self._state.engines:
-                engine.alive = False
-        await trio.lowlevel.checkpoint()
+    @property
+    def core(self) -> EngineCore:
+        """The engine this client runs."""
+        return self.transport.core
 
 
 @asynccontextmanager
@@ -131,7 +149,7 @@ async def open_trio_inproc_client(
     client = TrioInprocClient(
         config, client_index=client_index, max_pending_outputs=max_pending_outputs
     )
-    async with run_client(client, client._start) as running:  # pyright: ignore[reportPrivateUsage]
+    async with run_client(client) as running:
         yield running
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Final
 
 import attrs
@@ -23,15 +24,19 @@ __all__ = [
     "engine_command",
     "engine_log_level",
     "engine_logger",
+    "launch_engine",
     "open_lifeline",
     "parse_relayed_line",
     "serve_arguments",
     "start_engine_process",
+    "stop_engines",
 ]
 
 logger = logging.getLogger("trio_enginecore.client")
 
 STDERR_TAIL_LINES: Final = 20
+_STDERR_DRAIN_S: Final = 1.0
+_DEAD_ENGINE_EXIT_S: Final = 2.0
 _ENGINE_LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 _RELAY_LEVELS: Final = {
     name: logging.getLevelNamesMapping()[name] for name in (*_ENGINE_LOG_LEVELS, "CRITICAL")
@@ -219,6 +224,69 @@ async def start_engine_process(
         arm_lifeline(lifeline, engine.process.pid)
     logger.debug("started %s: %s", engine.describe(), " ".join(command))
     nursery.start_soon(_read_stderr, engine)
+
+
+async def launch_engine(
+    engine: EngineHandle,
+    config: EngineConfig,
+    handshake_address: str,
+    nursery: trio.Nursery,
+    *,
+    extra_arguments: Sequence[str] = (),
+) -> None:
+    """Launch the reference engine of ``engine.rank`` (``config`` with that rank),
+    pointed at ``handshake_address``, with a lifeline: it stops by itself once this
+    process is gone, however this process dies (the pipe's write end, kept in
+    ``engine.lifeline`` until the client closes it, closes then)."""
+    read_end, engine.lifeline = open_lifeline()
+    try:
+        command = engine_command(
+            config.evolve(data_parallel_rank=engine.rank),
+            handshake_address,
+            lifeline_fd=read_end,
+        )
+        await start_engine_process(engine, [*command, *extra_arguments], nursery, lifeline=read_end)
+    finally:
+        os.close(read_end)
+
+
+async def stop_engines(engines: Sequence[EngineHandle], timeout_s: float) -> None:
+    """Stop the launched ones among ``engines``: SIGTERM, then SIGKILL after
+    ``timeout_s``; then relay their last stderr lines and close their lifelines.
+    Every engine is marked not alive."""
+    processes = [e.process for e in engines if e.process is not None]
+    # An engine that reported a fatal error is on its way out: a SIGTERM now would
+    # cut off its last log lines, which say why it failed.
+    with trio.move_on_after(min(_DEAD_ENGINE_EXIT_S, timeout_s)):
+        for engine in engines:
+            if engine.process is not None and engine.death is not None:
+                await engine.process.wait()
+    for engine in engines:
+        if engine.process is not None and engine.process.returncode is None:
+            logger.debug("shutdown: sending SIGTERM to %s", engine.describe())
+            engine.process.terminate()
+    with trio.move_on_after(timeout_s):
+        for process in processes:
+            await process.wait()
+    for process in processes:
+        if process.returncode is None:
+            logger.warning("engine pid %d did not exit in %g s; killing it", process.pid, timeout_s)
+            process.kill()
+            await process.wait()
+    # An exited engine's last lines (often why it died) are still in the pipe:
+    # let the reader relay them before the pipe is closed under it.
+    with trio.move_on_after(_STDERR_DRAIN_S):
+        for engine in engines:
+            if engine.process is not None:
+                await engine.stderr_done.wait()
+    for engine in engines:
+        engine.alive = False
+        # The engines have exited (after SIGTERM, or SIGKILL): their lifelines go.
+        engine.close_lifeline()
+        if engine.process is not None:
+            logger.debug("shutdown: %s", engine.exit_description(with_stderr=False))
+            if engine.process.stderr is not None:
+                await engine.process.stderr.aclose()
 
 
 def arm_lifeline(read_end: int, pid: int) -> None:

@@ -25,7 +25,9 @@ from typing import Any, Protocol
 
 import attrs
 
-from ..errors import EngineCoreError
+# Defined in trio_enginecore.errors with the other exceptions; re-exported here (and so
+# from trio_enginecore.client) for the programs that import it from there.
+from ..errors import EngineConsensusError
 
 __all__ = [
     "EngineConsensusError",
@@ -39,10 +41,6 @@ __all__ = [
 
 KV_PRESSURE_THRESHOLD = 0.5
 KV_PRESSURE_WEIGHT = 6.0
-
-
-class EngineConsensusError(EngineCoreError):
-    """Engines that should agree (e.g. on ``is_sleeping``) gave different answers."""
 
 
 @attrs.define

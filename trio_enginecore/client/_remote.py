@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import socket
+from collections.abc import Iterable
 from typing import Any, Final
 
 import attrs
@@ -51,6 +52,10 @@ def free_tcp_ports(count: int) -> list[int]:
     finally:
         for sock in held:
             sock.close()
+
+
+def _optional_ranks(ranks: Iterable[int] | None) -> frozenset[int] | None:
+    return None if ranks is None else frozenset(ranks)
 
 
 def _positive_or_none(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -136,9 +141,7 @@ class RemoteEngines:
     """
 
     handshake_address: str
-    ranks: frozenset[int] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(frozenset)
-    )
+    ranks: frozenset[int] | None = attrs.field(default=None, converter=_optional_ranks)
     curve: CurveServer | None = None
     all_interfaces: bool = False
     liveness_interval_s: float | None = attrs.field(default=5.0, validator=_positive_or_none)

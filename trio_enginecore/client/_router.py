@@ -17,13 +17,58 @@ from __future__ import annotations
 
 from typing import final
 
+import attrs
 import trio
 
+from ..config import EngineConfig
+from ..coordinator import CoordinatorAddresses
+from ..errors import ProtocolError
 from ..protocol import CoordinatorPublication, EngineCoreRequest
 from ._launch import EngineHandle
 from ._lb import LoadBalancer
 
-__all__ = ["Router", "WaveFollower"]
+__all__ = ["DataParallelRole", "Router", "WaveFollower"]
+
+
+@final
+@attrs.frozen
+class DataParallelRole:
+    """Which engines a client talks to and how it routes: decided by the constructor
+    (the vLLM-shaped class names), used by the one client class."""
+
+    ranks: range
+    load_balancer: LoadBalancer | None = None
+    coordinator: CoordinatorAddresses | None = None
+    data_parallel: bool = False
+    """Follows a coordinator and stamps requests with its wave."""
+    launches_coordinator: bool = False
+    """Launches a coordinator of its own when it launches engines and is given none."""
+
+    @classmethod
+    def single(cls, config: EngineConfig) -> DataParallelRole:
+        return cls(ranks=range(config.data_parallel_size))
+
+    @classmethod
+    def one_rank(
+        cls, config: EngineConfig, coordinator: CoordinatorAddresses | None
+    ) -> DataParallelRole:
+        rank = config.data_parallel_rank
+        return cls(ranks=range(rank, rank + 1), coordinator=coordinator, data_parallel=True)
+
+    @classmethod
+    def balanced(
+        cls,
+        config: EngineConfig,
+        load_balancer: LoadBalancer,
+        coordinator: CoordinatorAddresses | None,
+    ) -> DataParallelRole:
+        return cls(
+            ranks=range(config.data_parallel_size),
+            load_balancer=load_balancer,
+            coordinator=coordinator,
+            data_parallel=True,
+            launches_coordinator=True,
+        )
 
 
 @final
@@ -92,11 +137,16 @@ class WaveFollower:
         """Take in one publication: per-engine counts, then the wave state.
 
         Raises:
-            IndexError: the counts do not cover every engine's rank (the publication
-                is then ignored as a whole: nothing changed).
+            ProtocolError: the counts do not cover every engine's rank (the
+                publication is then ignored as a whole: nothing changed).
         """
         counts = publication.counts
         if counts is not None:
+            if any(engine.rank >= len(counts) for engine in engines):
+                raise ProtocolError(
+                    f"a coordinator publication has counts for {len(counts)} engine(s), "
+                    f"not for rank {max(engine.rank for engine in engines)}"
+                )
             loads = [counts[engine.rank] for engine in engines]
             for engine, (waiting, running, kv_usage) in zip(engines, loads, strict=True):
                 load = engine.load

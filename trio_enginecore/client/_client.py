@@ -1,26 +1,29 @@
-"""What every Trio engine client shares: streams, batches, utilities.
+"""The one Trio engine client: streams, batches, utilities, over any transport.
 
-:class:`TrioClientBase` implements :class:`AsyncEngineCoreClient` for any transport:
-request bookkeeping, per-request streams, the merging batch buffer behind
-``get_output()``, utility calls by ``call_id`` and failure propagation. A concrete
-client only moves messages: it implements the ``_transport_*`` hooks and feeds every
-engine message to :meth:`TrioClientBase._handle_outputs` from a single task, with no
-checkpoint between receiving and handing over.
+:class:`TrioEngineClient` implements :class:`AsyncEngineCoreClient`. What happens to
+each request is decided by its :class:`~trio_enginecore.client._state.ClientState`
+(no I/O); which engine gets it, by its :class:`~trio_enginecore.client._router.Router`;
+the coordinator's request wave is followed by its
+:class:`~trio_enginecore.client._router.WaveFollower`. The client adds the
+checkpoints and the waits, and hands messages to its
+:class:`~trio_enginecore.client._transport.Transport`, which it is given: ZeroMQ to
+engine processes, an engine task in this process, or the scripted engine of
+:mod:`trio_enginecore.testing`. The vLLM-shaped classes (``TrioMPClient``,
+``DPTrioMPClient``, ``DPLBTrioMPClient``, ``TrioInprocClient``) only choose the
+transport and the routing.
 """
 
 from __future__ import annotations
 
-import abc
-import collections
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Iterable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
 
 import trio
 
 from ..config import EngineConfig
-from ..errors import EngineCoreError, EngineDeadError, UtilityCallError
+from ..errors import EngineDeadError, UtilityCallError
 from ..protocol import (
     EngineCoreOutputs,
     EngineCoreReadyResponse,
@@ -29,26 +32,45 @@ from ..protocol import (
 )
 from ._interface import AsyncEngineCoreClient, ClientStatistics
 from ._launch import EngineHandle
+from ._lb import LoadBalancer
+from ._router import DataParallelRole, Router, WaveFollower
 from ._state import ClientState, UtilityCall
 from ._stream import RequestStream, StreamFeed, open_request_stream
+from ._transport import ClientLink, Transport
 from ._validate import check_request, check_requests
 
-__all__ = ["TrioClientBase", "run_client"]
+__all__ = ["TrioEngineClient"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
 
-class TrioClientBase(AsyncEngineCoreClient):
-    """The transport-independent part of the Trio clients (see the module docstring).
+class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
+    """A Trio engine client over a transport (see the module docstring).
 
-    The decisions are :class:`~trio_enginecore.client._state.ClientState`'s; this class
-    adds the checkpoints, the waits and the hand-over to the transport.
+    Open one with :func:`~trio_enginecore.open_engine_client` (or, managing your own
+    nursery, :func:`~trio_enginecore.connect_engine_client`); the classes named after
+    vLLM's build one with the right transport. See
+    :class:`~trio_enginecore.AsyncEngineCoreClient` for the methods and their
+    cancellation semantics. As a :class:`trio.abc.AsyncResource`, ``async with
+    client:`` closes it on the way out.
+
+    Args:
+        transport: how messages reach the engines.
+        config: the engine configuration the client was opened with.
+        role: which engines it talks to and how requests are routed (one engine by
+            default).
+        client_index: this client's index among the engines' clients.
+        max_pending_outputs: messages kept for ``get_output()`` before they are
+            merged (never dropped).
+        abort_timeout_s: how long leaving a stream may take to abort its request.
     """
 
     def __init__(
         self,
+        transport: Transport,
         config: EngineConfig,
         *,
+        role: DataParallelRole | None = None,
         client_index: int = 0,
         max_pending_outputs: int = 64,
         abort_timeout_s: float = 1.0,
@@ -56,26 +78,54 @@ class TrioClientBase(AsyncEngineCoreClient):
         self.config = config
         self.client_index = client_index
         self.abort_timeout_s = abort_timeout_s
-        self._state = ClientState(
-            [], self._transport_abort, max_pending_outputs=max_pending_outputs
+        role = role if role is not None else DataParallelRole.single(config)
+        self.role = role
+        self._transport = transport
+        self._state = ClientState([], transport.send_abort, max_pending_outputs=max_pending_outputs)
+        # Both share the state's engine list, which the transport fills in place.
+        self._router = Router(self._state.engines, role.load_balancer)
+        self._waves = WaveFollower(stamps=role.data_parallel)
+        self._started = False
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Reach the engines and start the client's background tasks in ``nursery``;
+        return once every engine is ready.
+
+        The openers call it; call it yourself only for a client you constructed, once.
+        If it raises (or is cancelled), call :meth:`aclose`, as the openers do.
+
+        Raises:
+            EngineStartupError: an engine failed to start or was not ready in time.
+            RuntimeError: the client was started before.
+        """
+        if self._started:
+            raise RuntimeError("the engine client was already started")
+        self._started = True
+        await self._transport.start(
+            nursery, ClientLink(self._state, self._engine_died, self._waves, self._ping)
         )
 
-    # ------------------------------------------------------- transport hooks
+    async def aclose(self) -> None:
+        """Abort in-flight requests, close every stream and call, stop the transport.
 
-    @abc.abstractmethod
-    def _transport_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        """Deliver an ADD without blocking or checkpointing."""
-
-    @abc.abstractmethod
-    def _transport_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
-        """Deliver an ABORT without blocking or checkpointing."""
-
-    @abc.abstractmethod
-    def _transport_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
-        """Deliver a UTILITY call without blocking or checkpointing."""
-
-    def _on_engine_death(self, engine: EngineHandle) -> None:
-        """Called after an engine's death was recorded and every waiter failed."""
+        A multiprocess client stops the engines it launched (SIGTERM, then SIGKILL
+        after ``shutdown_timeout_s``), leaves attached engines running (their requests
+        from this client aborted) and closes its sockets. Idempotent. Runs shielded
+        from cancellation (bounded by the transport's timeouts), like every Trio
+        ``aclose``.
+        """
+        state = self._state
+        if state.closed:
+            await trio.lowlevel.checkpoint()
+            return
+        with trio.CancelScope(shield=True):
+            state.close()
+            self._waves.announce()  # wakes wave waiters, who then raise
+            await self._transport.aclose()
+            state.closed = True
+            for engine in state.engines:
+                engine.alive = False
+            logger.debug("client closed")
 
     # ------------------------------------------------------------ public state
 
@@ -102,6 +152,41 @@ class TrioClientBase(AsyncEngineCoreClient):
     def statistics(self) -> ClientStatistics:
         """A frozen snapshot of the client's counters."""
         return self._state.statistics()
+
+    @property
+    def load_balancer(self) -> LoadBalancer | None:
+        """The policy choosing each request's engine (None: one engine takes all)."""
+        return self._router.load_balancer
+
+    @property
+    def current_wave(self) -> int:
+        """The request wave the coordinator last published (0 before the first, and
+        always 0 for a client following no coordinator)."""
+        return self._waves.current_wave
+
+    @property
+    def engines_running(self) -> bool:
+        """Whether the engines are in a wave, as the coordinator last published."""
+        return self._waves.engines_running
+
+    async def wait_wave_change(self) -> tuple[int, bool]:
+        """Wait until the coordinator publishes a different wave or running state.
+
+        A client following no coordinator (one engine) sees no change: the wait ends
+        only by raising, when the client dies or closes.
+
+        Returns the new ``(current_wave, engines_running)``. Cancellation leaves
+        nothing changed.
+
+        Raises:
+            EngineDeadError: an engine died (before or while waiting).
+            trio.ClosedResourceError: the client is closed (before or while waiting).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._state.raise_if_unusable()
+        await self._waves.wait_changed()
+        self._state.raise_if_unusable()
+        return self._waves.current_wave, self._waves.engines_running
 
     # ------------------------------------------------------------ batch API
 
@@ -243,7 +328,7 @@ class TrioClientBase(AsyncEngineCoreClient):
             UtilityCallError: the method raised on the engine; carries its message.
             EngineDeadError: the engine died before replying.
         """
-        (result,) = await self._call_engines([self._utility_engine()], method, args)
+        (result,) = await self._call_engines([self._router.utility_engine()], method, args)
         return result
 
     async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
@@ -266,7 +351,7 @@ class TrioClientBase(AsyncEngineCoreClient):
                 call_id, call = state.new_call(method)
                 calls.append((call_id, call))
                 payload = UtilityRequest(self.client_index, call_id, method, tuple(args))
-                self._transport_utility(engine, payload)
+                self._transport.send_utility(engine, payload)
             for _, call in calls:
                 await call.done.wait()
         finally:
@@ -282,19 +367,12 @@ class TrioClientBase(AsyncEngineCoreClient):
             reply = call.reply
             assert reply is not None
             if reply.failure_message is not None:
-                where = f"engine {engine.rank}: " if len(engines) > 1 else ""
-                raise UtilityCallError(method, where + reply.failure_message)
+                rank = engine.rank if len(engines) > 1 else None
+                raise UtilityCallError(method, reply.failure_message, rank=rank)
             results.append(reply.result.result if reply.result is not None else None)
         return results
 
     # -------------------------------------------------------------- internals
-
-    def _engine_for(self, request: EngineCoreRequest) -> EngineHandle:
-        # The data-parallel clients override the choice; a single engine takes all.
-        return self._state.engines[0]
-
-    def _utility_engine(self) -> EngineHandle:
-        return self._state.engines[0]
 
     async def _send_add(self, request: EngineCoreRequest, *, stream: StreamFeed | None) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -308,109 +386,23 @@ class TrioClientBase(AsyncEngineCoreClient):
 
     def _add_now(self, request: EngineCoreRequest, *, stream: StreamFeed | None) -> None:
         """Register and send a checked request, with no checkpoint."""
-        engine = self._engine_for(request)
+        engine = self._router.engine_for(request)
         request.client_index = self.client_index
         # Register before sending: the reply may be received before send returns.
         wire = self._state.register(request, engine, stream=stream)
+        self._waves.stamp(wire)
         try:
-            self._transport_add(engine, wire)
+            self._transport.send_add(engine, wire)
         except BaseException:
             self._state.forget(wire.request_id)
             raise
 
-    def _handle_outputs(self, message: EngineCoreOutputs) -> None:
-        """Route one decoded engine message (see ``ClientState.handle_outputs``)."""
-        self._state.handle_outputs(message)
-
     def _engine_died(self, engine: EngineHandle, reason: str) -> None:
         if self._state.engine_died(engine, reason):
-            self._on_engine_death(engine)
+            self._waves.announce()  # wakes wave waiters, who then raise
+            self._transport.engine_death_recorded(engine)
 
-    def _fail_waiters_on_close(self) -> None:
-        """Part of closing: abort what is in flight and wake every waiter."""
-        self._state.close()
-
-
-C = TypeVar("C", bound=TrioClientBase)
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    leaves: list[BaseException] = []
-    pending: collections.deque[BaseException] = collections.deque([group])
-    while pending:
-        error = pending.popleft()
-        if isinstance(error, BaseExceptionGroup):
-            pending.extend(error.exceptions)  # pyright: ignore[reportUnknownArgumentType, reportUnknownMemberType]
-        else:
-            leaves.append(error)
-    return leaves
-
-
-def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one exception in a (nested) group, or None if there are several."""
-    leaves = _leaves(group)
-    return leaves[0] if len(leaves) == 1 else None
-
-
-def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The first exception in a (nested) group that is not a cancellation."""
-    return next((e for e in _leaves(group) if not isinstance(e, trio.Cancelled)), None)
-
-
-@asynccontextmanager
-async def run_client(
-    client: C, start: Callable[[trio.Nursery], Awaitable[None]]
-) -> AsyncGenerator[C, None]:
-    """Run ``client`` inside its own nursery for the duration of an ``async with``.
-
-    ``start(nursery)`` must return only once the client is usable. On the way out the
-    client is closed (shielded) and its background tasks cancelled. The block's own
-    exception, or ``Cancelled``, propagates as itself (identity, ``__context__`` and
-    ``__cause__`` untouched); a startup failure propagates as itself; an engine death
-    during a block that did not raise becomes one :class:`EngineDeadError`; a failure
-    of a background task (a bug: they handle bad input themselves) raises one
-    :class:`~trio_enginecore.errors.EngineCoreError` chained from it, in place of the
-    ``Cancelled`` it caused in the block; an ExceptionGroup never escapes.
-    """
-    user_error: BaseException | None = None
-    startup_error: BaseException | None = None
-    background: BaseExceptionGroup[BaseException] | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            try:
-                await start(nursery)
-            except BaseException as exc:
-                startup_error = exc
-            else:
-                try:
-                    yield client
-                except BaseException as exc:
-                    user_error = exc
-            finally:
-                await client.aclose()
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # Background tasks never raise on purpose: this is an outer cancellation that
-        # arrived during shutdown, or a bug. Either way the caller gets one exception.
-        background = group
-    # Raised outside any `except` block so the exception keeps its own __context__ and
-    # __cause__: the caller's exception comes back exactly as it was.
-    error = user_error or startup_error
-    failure = _first_failure(background) if background is not None else None
-    if failure is not None and (error is None or isinstance(error, trio.Cancelled)):
-        # A background task failed, and the nursery cancelled the block because of it:
-        # the failure is the news, not the Cancelled it caused.
-        if isinstance(failure, EngineCoreError):
-            raise failure
-        raise EngineCoreError(
-            f"the engine client failed in its background task: {failure!r}"
-        ) from failure
-    if error is None and background is not None:
-        error = _single(background)
-        if error is None:
-            raise EngineDeadError("the engine client failed in the background") from background
-    if error is not None:
-        raise error
-    death = client.failure
-    if death is not None:
-        raise EngineDeadError(death)
+    async def _ping(self, engine: EngineHandle) -> None:
+        """One utility round trip to ``engine``: any answer, a failure included."""
+        with suppress(UtilityCallError):
+            await self._call_engines([engine], "is_sleeping", ())

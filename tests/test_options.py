@@ -1,0 +1,85 @@
+"""The openers' one path: options in one frozen object, a client you can start yourself,
+and clients that close themselves as Trio resources."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import trio
+
+from trio_enginecore import EngineConfig, EngineCoreRequest, connect_engine_client
+from trio_enginecore.client import ClientOptions, TrioEngineClient, TrioMPClient, run_client
+
+from .support import children_of_this_process, expected, open_fds
+
+
+@pytest.mark.parametrize("field", ["ready_timeout_s", "shutdown_timeout_s", "abort_timeout_s"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_by_name(
+    field: str, value: float
+) -> None:
+    with pytest.raises(ValueError, match=rf"{field} must be a positive number, got {value!r}"):
+        ClientOptions(**{field: value})
+
+
+def test_options_are_frozen_and_keyword_only() -> None:
+    options = ClientOptions(ready_timeout_s=3.0)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        options.ready_timeout_s = 4.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ClientOptions(None)  # type: ignore[misc]
+    assert attrs.evolve(options, client_index=2).client_index == 2
+
+
+async def test_options_and_keywords_together_are_refused_before_anything_starts() -> None:
+    fds_before = open_fds()
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(TypeError, match=r"not both \(got \['client_index'\]\)"):
+            await connect_engine_client(nursery, EngineConfig(), ClientOptions(), client_index=1)
+    assert children_of_this_process() == []
+    assert open_fds() - fds_before == set()
+
+
+async def test_a_client_index_engines_joining_the_handshake_cannot_answer_is_refused() -> None:
+    """The handshake names one output address: an engine it launches would drop the
+    outputs of any other client index, and the client would wait for ever."""
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ValueError, match="client_index=3 needs engines started elsewhere"):
+            await connect_engine_client(nursery, EngineConfig(), client_index=3)
+    assert children_of_this_process() == []
+
+
+async def test_a_client_connected_with_options_serves_and_closes_as_a_trio_resource() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            client = await connect_engine_client(
+                nursery, EngineConfig(), ClientOptions(max_pending_outputs=8, abort_timeout_s=0.5)
+            )
+            assert isinstance(client, trio.abc.AsyncResource)
+            async with client:
+                assert client.abort_timeout_s == 0.5
+                request = EngineCoreRequest.for_tokens([4], request_id="r", max_tokens=5)
+                async with client.stream(request) as outputs:
+                    tokens = [t async for o in outputs for t in o.new_token_ids]
+                assert tokens == expected([4], 5)
+                (pid,) = client.engine_pids
+            # Leaving `async with client:` closed it: the engine is gone, and every
+            # background task in our nursery ended, so the nursery closes at once.
+            assert pid not in children_of_this_process()
+            with pytest.raises(trio.ClosedResourceError):
+                await client.add_request(EngineCoreRequest.for_tokens([1]))
+
+
+async def test_a_client_constructed_by_hand_runs_with_run_client_and_starts_once() -> None:
+    client = TrioMPClient(EngineConfig(), ClientOptions(ready_timeout_s=20))
+    assert isinstance(client, TrioEngineClient)
+    with trio.fail_after(30):
+        async with run_client(client) as running:
+            assert running is client
+            assert await client.is_sleeping() is False
+            async with trio.open_nursery() as nursery:
+                with pytest.raises(RuntimeError, match="already started"):
+                    await client.start(nursery)
+    assert children_of_this_process() == []

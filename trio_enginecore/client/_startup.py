@@ -1,0 +1,218 @@
+"""The client side of the startup: the handshake, the ready messages, and what a
+startup that failed tells the user.
+
+vLLM's startup, as engines see it: each engine connects a DEALER to the client's
+handshake ROUTER and says HELLO; the client answers with the addresses of its input
+and output sockets (and of the coordinator); the engine loads its model, connects
+there, sends its ready message on the input socket and says READY on the handshake
+socket. Attached engines skip the handshake: they were given the addresses and only
+send the ready message. :class:`StartupProgress` runs those exchanges and remembers
+how far each engine got, so that a startup that fails or times out names, per engine,
+what it is still waiting for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import final
+
+import trio
+import zmq
+
+from .._zmq import TrioSocket
+from ..errors import EngineStartupError, ProtocolError
+from ..protocol import (
+    EngineCoreReadyResponse,
+    HandshakeHello,
+    HandshakeMessage,
+    HandshakeReady,
+)
+from ..serial import Buffer, MsgpackDecoder
+from ._launch import EngineHandle
+
+__all__ = ["StartupProgress"]
+
+logger = logging.getLogger("trio_enginecore.client")
+
+
+def _handshake_decoder() -> MsgpackDecoder[HandshakeHello | HandshakeReady]:
+    return MsgpackDecoder(HandshakeMessage)
+
+
+@final
+class StartupProgress:
+    """How far each engine got in the startup (see the module docstring).
+
+    Args:
+        engines: every engine the client waits for.
+        input_address: where ready messages arrive (for the error messages).
+        handshake_address: where engines say HELLO; None for attached engines.
+    """
+
+    def __init__(
+        self, engines: list[EngineHandle], input_address: str, handshake_address: str | None
+    ) -> None:
+        self.engines = engines
+        self.input_address = input_address
+        self.handshake_address = handshake_address
+        self.hellos: set[bytes] = set()
+        self.handshake_ready: set[bytes] = set()
+        self.ready_messages: set[bytes] = set()
+
+    # ------------------------------------------------------------ the exchanges
+
+    async def handshake(self, sock: TrioSocket, metadata: Sequence[Buffer]) -> None:
+        """Answer each engine's HELLO with ``metadata`` (the encoded addresses).
+
+        Raises:
+            EngineStartupError: an engine sent a message that does not decode.
+        """
+        decoder = _handshake_decoder()
+        waiting = {engine.identity: engine for engine in self.engines}
+        while waiting:
+            identity, *payload = await sock.recv_multipart()
+            try:
+                message = decoder.decode(payload)
+            except ProtocolError as exc:
+                raise EngineStartupError(
+                    f"invalid handshake message from {identity!r}: {exc}"
+                ) from exc
+            if isinstance(message, HandshakeReady):
+                # A fast engine can be READY before a slower one has said HELLO.
+                self._handshake_ready(bytes(identity))
+                continue
+            engine = waiting.pop(bytes(identity), None)
+            if engine is None:
+                logger.warning("ignoring a HELLO from unexpected identity %r", identity)
+                continue
+            self.hellos.add(engine.identity)
+            logger.debug(
+                "handshake: engine rank %d said HELLO; sending it the addresses", engine.rank
+            )
+            await sock.send_multipart([engine.identity, *metadata])
+
+    async def wait_handshake_ready(self, sock: TrioSocket) -> None:
+        """Wait for every engine's READY on the handshake socket."""
+        decoder = _handshake_decoder()
+        waiting = {engine.identity for engine in self.engines} - self.handshake_ready
+        while waiting:
+            identity, *payload = await sock.recv_multipart()
+            message = decoder.decode(payload)
+            if isinstance(message, HandshakeReady):
+                waiting.discard(bytes(identity))
+                self._handshake_ready(bytes(identity))
+
+    def note_queued_readies(self, sock: TrioSocket) -> None:
+        """Record the READYs already queued on the handshake socket (unread when the
+        startup stops early), so that a startup error says how far each engine got."""
+        decoder = _handshake_decoder()
+        while not sock.closed:
+            try:
+                identity, *payload = sock.raw.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with suppress(ProtocolError):
+                if isinstance(decoder.decode(payload), HandshakeReady):
+                    self.handshake_ready.add(bytes(identity))
+
+    async def wait_ready(self, sock: TrioSocket) -> None:
+        """Wait for every engine's ready message on the input socket, keeping each
+        engine's decoded :class:`EngineCoreReadyResponse` (an empty one is allowed).
+
+        Raises:
+            EngineStartupError: a ready message does not decode.
+        """
+        decoder = MsgpackDecoder(EngineCoreReadyResponse)
+        waiting = {engine.identity: engine for engine in self.engines}
+        while waiting:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:
+                logger.warning("ignoring a %d-frame message on the input socket", len(frames))
+                continue
+            identity, payload = bytes(frames[0]), frames[1]
+            engine = waiting.pop(identity, None)
+            if engine is None:
+                logger.warning("ignoring a ready message from unexpected identity %r", identity)
+                continue
+            self.ready_messages.add(identity)
+            if len(payload):
+                try:
+                    engine.ready = decoder.decode(payload)
+                except ProtocolError as exc:
+                    raise EngineStartupError(
+                        f"{engine.describe()} sent an invalid ready message: {exc}"
+                    ) from exc
+            logger.debug("%s is ready", engine.describe())
+
+    def _handshake_ready(self, identity: bytes) -> None:
+        self.handshake_ready.add(identity)
+        logger.debug("handshake: engine rank %d reported READY", int.from_bytes(identity, "little"))
+
+    # ---------------------------------------------------------- failed startups
+
+    async def error(
+        self,
+        timeout_s: float,
+        *,
+        timed_out: bool,
+        waits_for_coordinator: bool,
+        group_hint: str | None,
+        refusals: str | None,
+    ) -> EngineStartupError:
+        """The error of a startup that failed or timed out, naming each engine's stage.
+
+        Args:
+            timeout_s: the ready timeout.
+            timed_out: it timed out (else it was stopped by an engine's death).
+            waits_for_coordinator: the engines subscribe to a coordinator first.
+            group_hint: why a data-parallel group may not form, or None if the
+                engines form no group.
+            refusals: the connections refused for lack of a CURVE key, described.
+        """
+        details: list[str] = []
+        for engine in self.engines:
+            if engine.identity in self.ready_messages and engine.alive:
+                continue
+            exited = engine.process is not None and engine.process.returncode is not None
+            if exited:
+                with trio.move_on_after(1):
+                    await engine.stderr_done.wait()
+            if not engine.alive or exited:
+                details.append(engine.exit_description())
+            else:
+                details.append(self._stage(engine, waits_for_coordinator, group_hint))
+        if refusals:
+            details.append(refusals)
+        what = f"not ready within {timeout_s:g} s" if timed_out else "failed to start"
+        return EngineStartupError(f"engine {what}: " + " | ".join(details))
+
+    def _stage(
+        self, engine: EngineHandle, waits_for_coordinator: bool, group_hint: str | None
+    ) -> str:
+        """How far a live engine got in the startup, and what it is waiting for."""
+        name = f"engine rank {engine.rank}"
+        if self.handshake_address is None:  # attached: no handshake
+            return (
+                f"{name} never sent its ready message: no engine with its identity "
+                f"connected to the input address {self.input_address} (is it running, "
+                "and given this address?)"
+            )
+        if engine.identity not in self.hellos:
+            where = "(remote) " if engine.process is None else ""
+            return (
+                f"{name} {where}never said HELLO at {self.handshake_address} (still "
+                "starting, or it cannot reach that address)"
+            )
+        if engine.identity not in self.handshake_ready:
+            waiting = ["loading its model and sizing its KV cache"]
+            if waits_for_coordinator:
+                waiting.append("for every rank of its group to subscribe to the coordinator")
+            if group_hint is not None:
+                waiting.append(f"for its data-parallel group to form{group_hint}")
+            return f"{name} said HELLO but never READY: still " + ", or ".join(waiting)
+        return (
+            f"{name} said READY in the handshake but its ready message never arrived at "
+            f"the input address {self.input_address} (it could not connect there)"
+        )

@@ -312,3 +312,13 @@ def test_closing_aborts_what_is_in_flight_and_fails_every_waiter() -> None:
     assert feed.pending.finish_reason is FinishReason.ABORT
     assert call.failure == "the engine client was closed"
     assert state.statistics().requests_in_flight == 0
+
+
+def test_the_clients_own_liveness_calls_are_not_counted_as_pending() -> None:
+    state = ClientState([EngineHandle.for_rank(0)], lambda engine, ids: None)
+    state.new_call("is_sleeping", internal=True)
+    assert state.statistics().pending_utility_calls == 0
+    call_id, _ = state.new_call("is_sleeping")
+    assert state.statistics().pending_utility_calls == 1
+    state.end_call(call_id)
+    assert state.statistics().pending_utility_calls == 0

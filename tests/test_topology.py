@@ -94,11 +94,16 @@ def test_launched_engines_sockets_are_in_the_private_directory() -> None:
     )
 
 
-def test_launching_has_no_liveness_checks_even_when_given_some() -> None:
-    """Launched engines are child processes: their exits say when they die."""
+def test_launched_engines_are_checked_too_since_a_live_process_may_be_hung() -> None:
+    """Their exits say when they die, but not when they hang: the checks do."""
     topology = plan_topology(single(), liveness=Liveness(1.0, 2.0))
-    assert topology.liveness is None
+    assert topology.liveness == LivenessChecks(interval_s=1.0, timeout_s=2.0, kind="launched")
+    # Their exits still identify the sender of an ENGINE_CORE_DEAD promptly.
     assert topology.attribution_window_s == ATTRIBUTION_WINDOW_S
+
+
+def test_launched_engines_without_liveness_checks_have_none() -> None:
+    assert plan_topology(balanced(2), liveness=None).liveness is None
 
 
 def test_the_attribution_window_of_launched_engines_is_two_seconds() -> None:
@@ -211,8 +216,9 @@ def test_remote_engines_addresses_need_no_private_directory() -> None:
 
 def test_remote_engines_have_the_default_liveness_checks() -> None:
     topology = plan_topology(single(), remote=RemoteEngines(REMOTE))
-    assert topology.liveness == LivenessChecks(interval_s=5.0, timeout_s=15.0, kind="remote")
-    assert topology.attribution_window_s == 5.0 + 15.0 + ATTRIBUTION_WINDOW_S
+    # Defaults that notice a hang within 2 s on loopback.
+    assert topology.liveness == LivenessChecks(interval_s=0.4, timeout_s=1.2, kind="remote")
+    assert topology.attribution_window_s == 0.4 + 1.2 + ATTRIBUTION_WINDOW_S
 
 
 def test_remote_engines_checks_ignore_the_attached_liveness() -> None:

@@ -19,7 +19,8 @@ trio-enginecore clients and vLLM's own clients can drive it.
 Two ways to start:
   attach mode     --input-address A --output-address B: connect straight to a client
                   that bound those addresses (vLLM's `client_addresses`), send the
-                  ready message and serve.
+                  ready message and serve. When the client leaves (or is killed),
+                  abort its requests and serve the next client to bind A and B.
   handshake mode  --handshake-address H: say HELLO to the client at H, receive the
                   addresses to serve, then serve and report READY.
 

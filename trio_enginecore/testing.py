@@ -346,7 +346,10 @@ over a :class:`FakeTransport` (the name is kept for the annotations of tests).""
 
 @asynccontextmanager
 async def open_fake_engine_client(
-    engine: FakeEngine | None = None, *, max_pending_outputs: int = 64
+    engine: FakeEngine | None = None,
+    *,
+    max_pending_outputs: int = 64,
+    cancel_on_failure: bool = False,
 ) -> AsyncGenerator[TrioEngineClient, None]:
     """A client connected to ``engine`` (a new :class:`FakeEngine` by default).
 
@@ -362,5 +365,5 @@ async def open_fake_engine_client(
     client = TrioEngineClient(transport, EngineConfig(), max_pending_outputs=max_pending_outputs)
     engine.transport = transport
     engine.client = client
-    async with run_client(client) as running:
+    async with run_client(client, cancel_on_failure=cancel_on_failure) as running:
         yield running

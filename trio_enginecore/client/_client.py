@@ -62,7 +62,6 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         client_index: this client's index among the engines' clients.
         max_pending_outputs: messages kept for ``get_output()`` before they are
             merged (never dropped).
-        abort_timeout_s: how long leaving a stream may take to abort its request.
     """
 
     def __init__(
@@ -73,11 +72,9 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         role: DataParallelRole | None = None,
         client_index: int = 0,
         max_pending_outputs: int = 64,
-        abort_timeout_s: float = 1.0,
     ) -> None:
         self.config = config
         self.client_index = client_index
-        self.abort_timeout_s = abort_timeout_s
         role = role if role is not None else DataParallelRole.single(config)
         self.role = role
         self._transport = transport
@@ -152,6 +149,29 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
     def statistics(self) -> ClientStatistics:
         """A frozen snapshot of the client's counters."""
         return self._state.statistics()
+
+    async def wait_failed(self) -> EngineDeadError:
+        """Wait until the client fails, and return the error its calls now raise.
+
+        For code in the client's block that waits on something else (an HTTP server, a
+        queue of work) and must learn that the engines are gone: run it beside
+        ``wait_failed()`` and stop when it returns, or open the client with
+        ``cancel_on_failure=True`` to have the block's body cancelled instead. Returns
+        at once if the client failed already. Cancellation leaves nothing changed.
+
+        Raises:
+            trio.ClosedResourceError: the client was closed (before or while waiting)
+                without failing.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        state = self._state
+        if state.ended.is_set():
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await state.ended.wait()
+        if state.failure is not None:
+            return EngineDeadError(state.failure)
+        raise trio.ClosedResourceError("the engine client was closed")
 
     @property
     def load_balancer(self) -> LoadBalancer | None:
@@ -289,8 +309,9 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
                     ...
 
         Leaving the block before the request finished (``break``, an exception,
-        cancellation) aborts it on the engine, exactly once, from a shielded scope
-        bounded by ``abort_timeout_s``. Entering is atomic with respect to
+        cancellation) aborts it on the engine, exactly once, before the block exits:
+        the ABORT is one non-blocking send, with no checkpoint, so cancellation cannot
+        skip it and nothing waits for it. Entering is atomic with respect to
         cancellation (a cancelled entry sent nothing).
 
         If the engine rejects or fails the request (it finishes it with
@@ -340,7 +361,12 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         return await self._call_engines(self._state.engines, method, args)
 
     async def _call_engines(
-        self, engines: list[EngineHandle], method: str, args: tuple[Any, ...]
+        self,
+        engines: list[EngineHandle],
+        method: str,
+        args: tuple[Any, ...],
+        *,
+        internal: bool = False,
     ) -> list[Any]:
         await trio.lowlevel.checkpoint_if_cancelled()
         state = self._state
@@ -348,7 +374,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         calls: list[tuple[int, UtilityCall]] = []
         try:
             for engine in engines:
-                call_id, call = state.new_call(method)
+                call_id, call = state.new_call(method, internal=internal)
                 calls.append((call_id, call))
                 payload = UtilityRequest(self.client_index, call_id, method, tuple(args))
                 self._transport.send_utility(engine, payload)
@@ -405,4 +431,4 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
     async def _ping(self, engine: EngineHandle) -> None:
         """One utility round trip to ``engine``: any answer, a failure included."""
         with suppress(UtilityCallError):
-            await self._call_engines([engine], "is_sleeping", ())
+            await self._call_engines([engine], "is_sleeping", (), internal=True)

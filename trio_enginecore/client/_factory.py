@@ -78,6 +78,7 @@ def open_engine_client(
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
     liveness: Liveness | None = DEFAULT_LIVENESS,
+    cancel_on_failure: bool = False,
 ) -> AbstractAsyncContextManager[TrioMPClient]: ...
 
 
@@ -96,6 +97,7 @@ def open_engine_client(
     load_balancer: None = None,
     remote: None = None,
     liveness: Liveness | None = DEFAULT_LIVENESS,
+    cancel_on_failure: bool = False,
 ) -> AbstractAsyncContextManager[TrioInprocClient]: ...
 
 
@@ -114,6 +116,7 @@ def open_engine_client(
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
     liveness: Liveness | None = DEFAULT_LIVENESS,
+    cancel_on_failure: bool = False,
 ) -> AbstractAsyncContextManager[TrioEngineClient]: ...
 
 
@@ -131,6 +134,7 @@ def open_engine_client(
     load_balancer: LoadBalancer | None = None,
     remote: RemoteEngines | None = None,
     liveness: Liveness | None = DEFAULT_LIVENESS,
+    cancel_on_failure: bool = False,
 ) -> AbstractAsyncContextManager[TrioEngineClient]:
     """Open a Trio engine client: ``async with open_engine_client(config) as client:``.
 
@@ -175,11 +179,17 @@ def open_engine_client(
         remote: launch nothing; the engines start on other hosts
             (``trio-enginecore serve --headless``) and join over TCP, optionally
             authenticated with CURVE (see :class:`~trio_enginecore.RemoteEngines`).
-        liveness: attach mode: how often to check that each attached engine still
+        liveness: how often to check that each launched or attached engine still
             answers, and how long it may take (:class:`~trio_enginecore.Liveness`,
-            every 5 s within 15 s by default); ``None``: no checks, and a ``kill -9``
-            or a hang of an attached engine goes unnoticed. Remote engines have
-            their own, on :class:`~trio_enginecore.RemoteEngines`.
+            every 0.4 s within 1.2 s by default): an engine that does not answer in
+            time is declared dead, and a launched one killed. ``None``: no checks,
+            and a hang of a launched engine, or a ``kill -9`` or a hang of an
+            attached one, goes unnoticed. Remote engines have their own, on
+            :class:`~trio_enginecore.RemoteEngines`.
+        cancel_on_failure: cancel the block's body when the client fails (an
+            engine died), so that a server running in it stops; the block then
+            raises the one ``EngineDeadError``. Without it, the body learns of the
+            failure from its calls, or from ``await client.wait_failed()``.
 
     Raises:
         EngineStartupError: an engine failed to start or was not ready in time; the
@@ -199,7 +209,10 @@ def open_engine_client(
         if coordinator is not None or load_balancer is not None or remote is not None:
             raise ValueError("coordinator, load_balancer and remote are for multiprocess clients")
         return open_trio_inproc_client(
-            config, max_pending_outputs=max_pending_outputs, client_index=client_index
+            config,
+            max_pending_outputs=max_pending_outputs,
+            client_index=client_index,
+            cancel_on_failure=cancel_on_failure,
         )
     if kind is ClientKind.DP_TRIO_MP and coordinator is None:
         raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
@@ -215,6 +228,7 @@ def open_engine_client(
         load_balancer=load_balancer,
         remote=remote,
         liveness=liveness,
+        cancel_on_failure=cancel_on_failure,
     )
 
 

@@ -143,13 +143,17 @@ class TrioInprocClient(TrioEngineClient):
 
 @asynccontextmanager
 async def open_trio_inproc_client(
-    config: EngineConfig, *, max_pending_outputs: int = 64, client_index: int = 0
+    config: EngineConfig,
+    *,
+    max_pending_outputs: int = 64,
+    client_index: int = 0,
+    cancel_on_failure: bool = False,
 ) -> AsyncGenerator[TrioInprocClient, None]:
     """Open a :class:`TrioInprocClient` (see :func:`trio_enginecore.open_engine_client`)."""
     client = TrioInprocClient(
         config, client_index=client_index, max_pending_outputs=max_pending_outputs
     )
-    async with run_client(client) as running:
+    async with run_client(client, cancel_on_failure=cancel_on_failure) as running:
         yield running
 
 

@@ -35,7 +35,8 @@ class ClientStatistics:
     open_streams: int
     """Streams whose ``async with`` block has not exited."""
     pending_utility_calls: int
-    """Utility calls waiting for their reply."""
+    """Your utility calls waiting for their reply (the client's own liveness checks
+    are not counted)."""
     pending_batches: int
     """Engine messages waiting for ``get_output()``."""
     messages_received: int

@@ -47,7 +47,10 @@ async def check_liveness(
     engine: EngineHandle, link: ClientLink, *, interval_s: float, timeout_s: float, kind: str
 ) -> None:
     """Every ``interval_s``, ping ``engine``; report it dead when a ping is not
-    answered within ``timeout_s``. Ends when the engine or the client is done."""
+    answered within ``timeout_s``, and kill it if it is a process of ours (a hung
+    engine holds memory and devices until it goes). Ends when the engine or the
+    client is done."""
+    answered = trio.current_time()
     while True:
         await trio.sleep(interval_s)
         with trio.move_on_after(timeout_s) as unanswered:
@@ -55,13 +58,26 @@ async def check_liveness(
                 await link.ping(engine)
             except (EngineDeadError, trio.ClosedResourceError):
                 return
-        if unanswered.cancelled_caught:
+        if not unanswered.cancelled_caught:
+            answered = trio.current_time()
+            continue
+        silent_s = trio.current_time() - answered
+        process = engine.process
+        if process is not None and process.returncode is None:
+            link.engine_died(
+                engine,
+                f"stopped responding for {silent_s:.1f} s (no answer to a liveness check "
+                f"within {timeout_s:g} s: hung, or stopped); killed it",
+            )
+            process.kill()
+        else:
             link.engine_died(
                 engine,
                 f"no answer to a liveness check within {timeout_s:g} s (the {kind} "
-                "engine stopped, or the network between us failed)",
+                f"engine stopped responding {silent_s:.1f} s ago, or the network "
+                "between us failed)",
             )
-            return
+        return
 
 
 @final

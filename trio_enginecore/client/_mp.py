@@ -78,7 +78,6 @@ class TrioMPClient(TrioEngineClient):
             role=role,
             client_index=options.client_index,
             max_pending_outputs=options.max_pending_outputs,
-            abort_timeout_s=options.abort_timeout_s,
         )
 
     @property
@@ -182,13 +181,17 @@ def new_mp_client(config: EngineConfig, options: ClientOptions) -> TrioMPClient:
 
 @asynccontextmanager
 async def open_trio_mp_client(
-    config: EngineConfig, options: ClientOptions | None = None, **keywords: Any
+    config: EngineConfig,
+    options: ClientOptions | None = None,
+    *,
+    cancel_on_failure: bool = False,
+    **keywords: Any,
 ) -> AsyncGenerator[TrioMPClient, None]:
     """Open a :class:`TrioMPClient`, or with several engines a :class:`DPTrioMPClient`
     or :class:`DPLBTrioMPClient` (see :func:`trio_enginecore.open_engine_client`):
     ``options``, or the :class:`ClientOptions` these keywords make."""
     client = new_mp_client(config, _options(options, keywords))
-    async with run_client(client) as running:
+    async with run_client(client, cancel_on_failure=cancel_on_failure) as running:
         yield running
 
 

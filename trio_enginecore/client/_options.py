@@ -44,6 +44,5 @@ class ClientOptions:
     load_balancer: LoadBalancer | None = None
     ready_timeout_s: float = attrs.field(default=60.0, validator=_positive_seconds)
     shutdown_timeout_s: float = attrs.field(default=5.0, validator=_positive_seconds)
-    abort_timeout_s: float = attrs.field(default=1.0, validator=_positive_seconds)
     max_pending_outputs: int = 64
     client_index: int = 0

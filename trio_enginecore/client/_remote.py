@@ -73,21 +73,25 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> 
 
 @attrs.frozen
 class Liveness:
-    """How often a client checks that an attached engine still answers.
+    """How often a client checks that each engine still answers, and how long an
+    answer may take.
 
-    An engine the client attached to (``input_address`` / ``output_address``) is no
-    child process of the client: nothing tells the client when it is killed, or hangs
-    (ZeroMQ reconnects silently), and its requests would wait for ever. So the client
-    calls a cheap utility (``is_sleeping``) on it every ``interval_s``, and declares it
-    dead when no answer (a failure reply counts as one) comes within ``timeout_s``:
-    its requests fail with ``EngineDeadError``, as on any engine death. Keep
-    ``timeout_s`` well above the engine's longest step: an engine answers between steps.
-    Engines that join through the handshake from other hosts have the same checks,
-    set on :class:`RemoteEngines`.
+    A process that is alive is not an engine that works: one stuck in a deadlock, a
+    collective that never completes, or stopped (``SIGSTOP``) keeps its requests
+    waiting for ever, and an engine the client attached to is no child process of the
+    client at all (nothing says when it is killed; ZeroMQ reconnects silently). So the
+    client calls a cheap utility every engine answers, vLLM's included
+    (``is_sleeping``), every ``interval_s``, and declares the engine dead when no answer
+    (a failure reply counts as one) comes within ``timeout_s``: its requests fail with
+    ``EngineDeadError``, as on any engine death, whose message says how long it stopped
+    responding; an engine the client launched is killed. The defaults notice a hang
+    within 2 s. Keep ``timeout_s`` well above the engine's longest step: an engine
+    answers between steps. Engines that join through the handshake from other hosts
+    have the same checks, set on :class:`RemoteEngines`.
     """
 
-    interval_s: float = attrs.field(default=5.0, validator=_positive)
-    timeout_s: float = attrs.field(default=15.0, validator=_positive)
+    interval_s: float = attrs.field(default=0.4, validator=_positive)
+    timeout_s: float = attrs.field(default=1.2, validator=_positive)
 
 
 DEFAULT_LIVENESS: Final = Liveness()
@@ -144,8 +148,8 @@ class RemoteEngines:
     ranks: frozenset[int] | None = attrs.field(default=None, converter=_optional_ranks)
     curve: CurveServer | None = None
     all_interfaces: bool = False
-    liveness_interval_s: float | None = attrs.field(default=5.0, validator=_positive_or_none)
-    liveness_timeout_s: float = attrs.field(default=15.0, validator=_positive)
+    liveness_interval_s: float | None = attrs.field(default=0.4, validator=_positive_or_none)
+    liveness_timeout_s: float = attrs.field(default=1.2, validator=_positive)
     data_parallel_master_ip: str | None = None
     data_parallel_master_port: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))

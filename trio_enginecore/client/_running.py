@@ -46,9 +46,21 @@ def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException | 
     return next((e for e in _leaves(group) if not isinstance(e, trio.Cancelled)), None)
 
 
+async def _cancel_on_failure(client: TrioEngineClient, body: trio.CancelScope) -> None:
+    try:
+        await client.wait_failed()
+    except trio.ClosedResourceError:
+        return  # closed without failing: nothing to stop
+    body.cancel()
+
+
 @asynccontextmanager
-async def run_client(client: C) -> AsyncGenerator[C, None]:
+async def run_client(client: C, *, cancel_on_failure: bool = False) -> AsyncGenerator[C, None]:
     """Run ``client`` inside its own nursery for the duration of an ``async with``.
+
+    With ``cancel_on_failure``, the block's body is cancelled when the client fails
+    (see ``wait_failed()``), so that a server running in it stops; the block then
+    raises the one ``EngineDeadError``, not ``Cancelled``.
 
     ``client.start(nursery)`` returns once the client is usable. On the way out the
     client is closed (shielded) and its background tasks cancelled. The block's own
@@ -70,8 +82,12 @@ async def run_client(client: C) -> AsyncGenerator[C, None]:
             except BaseException as exc:
                 startup_error = exc
             else:
+                body = trio.CancelScope()
                 try:
-                    yield client
+                    with body:
+                        if cancel_on_failure:
+                            nursery.start_soon(_cancel_on_failure, client, body)
+                        yield client
                 except BaseException as exc:
                     user_error = exc
             finally:

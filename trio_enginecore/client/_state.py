@@ -55,6 +55,9 @@ class UtilityCall:
     """One pending utility call: set ``done`` once ``reply`` or ``failure`` is known."""
 
     method: str
+    internal: bool = False
+    """The client's own call (a liveness check), not counted among the pending calls
+    of ``statistics()``."""
     done: trio.Event = attrs.field(factory=trio.Event)
     reply: UtilityOutput | None = None
     failure: str | None = None
@@ -105,6 +108,8 @@ class ClientState:
         """Set (and replaced) whenever ``get_output()`` waiters should look again."""
         self.failure: str | None = None
         """Why the client is dead (the first engine death), or None."""
+        self.ended = trio.Event()
+        """Set once the client failed (``failure`` says why) or started closing."""
         self.closing = False
         self.closed = False
         self.messages = 0
@@ -128,7 +133,7 @@ class ClientState:
         return ClientStatistics(
             requests_in_flight=len(self.inflight),
             open_streams=self.open_streams,
-            pending_utility_calls=len(self.calls),
+            pending_utility_calls=sum(1 for call in self.calls.values() if not call.internal),
             pending_batches=len(self.batches),
             messages_received=self.messages,
             outputs_received=self.outputs_received,
@@ -350,13 +355,14 @@ class ClientState:
 
     # -------------------------------------------------------------- utilities
 
-    def new_call(self, method: str) -> tuple[int, UtilityCall]:
-        """Register a utility call under a fresh, unguessable call id."""
+    def new_call(self, method: str, *, internal: bool = False) -> tuple[int, UtilityCall]:
+        """Register a utility call under a fresh, unguessable call id (``internal``:
+        the client's own, see :attr:`UtilityCall.internal`)."""
         while True:
             call_id = secrets.randbits(64)
             if call_id not in self.calls:
                 break
-        call = self.calls[call_id] = UtilityCall(method)
+        call = self.calls[call_id] = UtilityCall(method, internal)
         return call_id, call
 
     def end_call(self, call_id: int) -> bool:
@@ -395,6 +401,7 @@ class ClientState:
         message = f"{engine.describe()} died: {reason}"
         if self.failure is None:
             self.failure = message
+            self.ended.set()
         for wire_id, owner in list(self.inflight.items()):
             if owner is engine:
                 stream = self.streams.get(wire_id)
@@ -411,6 +418,7 @@ class ClientState:
     def close(self) -> None:
         """The client is closing: abort what is in flight and wake every waiter."""
         self.closing = True
+        self.ended.set()
         if self.inflight:
             self.abort_wire(list(self.inflight))
         for stream in list(self.streams.values()):

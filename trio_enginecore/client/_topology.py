@@ -58,7 +58,8 @@ class LivenessChecks:
     interval_s: float
     timeout_s: float
     kind: str
-    """``"remote"`` or ``"attached"``: how the error message names the engine."""
+    """``"launched"``, ``"remote"`` or ``"attached"``: how the error message names the
+    engine."""
 
 
 @final
@@ -203,12 +204,17 @@ def _coordinator_source(role: DataParallelRole, *, attach: bool) -> CoordinatorS
 def _liveness_checks(
     remote: RemoteEngines | None, liveness: Liveness | None, *, attach: bool
 ) -> LivenessChecks | None:
-    # Engines that are no child processes of ours: nothing else notices their death.
-    if remote is not None and remote.liveness_interval_s is not None:
+    # A process exit is seen without them; a hang, and any death of an engine that is
+    # no child process of ours, only with them.
+    if remote is not None:
+        if remote.liveness_interval_s is None:
+            return None
         return LivenessChecks(remote.liveness_interval_s, remote.liveness_timeout_s, "remote")
-    if attach and liveness is not None:
-        return LivenessChecks(liveness.interval_s, liveness.timeout_s, "attached")
-    return None
+    if liveness is None:
+        return None
+    return LivenessChecks(
+        liveness.interval_s, liveness.timeout_s, "attached" if attach else "launched"
+    )
 
 
 def _attribution_window(

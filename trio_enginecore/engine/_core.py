@@ -358,6 +358,32 @@ class EngineCore:
                 self._waiting.remove(state)
         self._finish_pause_if_drained()
 
+    def forget_client(self, client_index: int) -> int:
+        """Drop everything of a client that is gone; return how many requests it had.
+
+        Its requests are aborted with no output (there is nobody to send one to), and
+        the outputs and utility replies queued for it are discarded, so none reaches
+        the next client to take its index. A ``pause_scheduler("wait")`` it was waiting
+        on still pauses the engine (engine-wide state outlives the client that set it),
+        without a reply.
+        """
+        request_ids = [
+            rid for rid, state in self._requests.items() if state.client_index == client_index
+        ]
+        self._pause_waiters = [w for w in self._pause_waiters if w[0] != client_index]
+        self.abort_requests(request_ids)
+        kept = [
+            (client, output)
+            for client, output in zip(self._pending_clients, self._pending_outputs, strict=True)
+            if client != client_index
+        ]
+        self._pending_clients = [client for client, _ in kept]
+        self._pending_outputs = [output for _, output in kept]
+        self._utility_outputs = [
+            (client, reply) for client, reply in self._utility_outputs if client != client_index
+        ]
+        return len(request_ids)
+
     def _abort_all_with_output(self) -> None:
         """Engine-initiated abort of everything in flight; clients get ABORT outputs."""
         for state in list(self._requests.values()):

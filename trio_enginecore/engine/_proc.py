@@ -13,6 +13,25 @@ Nothing a client sends can kill the engine: malformed frames are logged and, whe
 protocol has a place for an error (an ADD's output, a UTILITY's reply), answered with
 one. A fatal error (the model failing) sends ``ENGINE_CORE_DEAD`` to every client
 before the process exits.
+
+**Re-attach** (attach mode only, i.e. no handshake): the engine serves successive
+clients at the same addresses. A ZeroMQ socket monitor on each input DEALER, read by a
+*watch task*, reports each ZMTP handshake with a client's ROUTER and each loss of that
+connection; libzmq itself keeps reconnecting to the address in the background.
+
+* A connection lost (the client closed its sockets, or its process died: the kernel
+  closes them) is the client's departure: at once, in one synchronous step, its
+  requests are aborted on the core, what was queued for it (outputs, utility replies)
+  is dropped, its PUSH socket is replaced by a fresh one (discarding the outputs still
+  queued on the old one) and its input stops being applied.
+* A handshake is a client arriving: the input task first takes and drops whatever the
+  departed client had sent that was not read yet (libzmq keeps a connecting socket's
+  queue across connections, and all of it was queued before the departure was
+  reported), then sends the ready message and applies input again. A client sends
+  nothing before the ready message, so the ready message is the first thing the new
+  client receives on its ROUTER, and nothing of its predecessor reaches the core.
+
+In handshake mode the ready message is sent once, as vLLM's engines do.
 """
 
 from __future__ import annotations
@@ -30,7 +49,7 @@ from .._addresses import connect_address
 from .._curve import CurveClient
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
-from ..errors import EngineStartupError, ProtocolError
+from ..errors import AddressError, EngineStartupError, ProtocolError
 from ..protocol import (
     COORDINATOR_READY,
     COORDINATOR_SUBSCRIBE,
@@ -64,6 +83,13 @@ HANDSHAKE_LINGER_MS: Final = 5000
 REPORT_INTERVAL_S: Final = 0.02
 """How often an engine of a data-parallel group checks its counts for the coordinator."""
 DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 300.0
+
+CLIENT_EVENTS: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+"""What the monitor of an attach-mode input socket reports: a client's arrival (the
+ZMTP handshake completed) and its departure (the connection closed)."""
+STALE_INPUT_WAIT_S: Final = 0.002
+"""How long the input task waits, once it found the input socket empty, before it
+sends a new client the ready message (see :func:`_drop_queued_input`)."""
 
 
 def connect_socket(
@@ -225,6 +251,10 @@ class EngineCoreProc:
         self._coordinator: TrioSocket | None = None
         self._start_wave: int | None = None
         self._abandoned = False
+        self._links: list[_ClientLink] = []
+        # Per client index, how many times its client left: outputs computed before a
+        # departure are not sent after it (to whoever took the index since).
+        self._epochs: list[int] = []
 
     # -------------------------------------------------------------------- running
 
@@ -247,6 +277,9 @@ class EngineCoreProc:
         """
         rank = self.config.data_parallel_rank
         inputs: list[TrioSocket] = []
+        # Attach mode: every client gets the ready message when it connects, and the
+        # next one too once it left (see the module docstring).
+        reattach = handshake_socket is None
         try:
             if addresses.coordinator_output is not None:
                 self._coordinator = self._connect(
@@ -263,8 +296,19 @@ class EngineCoreProc:
                 self._outputs.append(
                     self._connect(zmq.PUSH, address, linger_ms=OUTPUT_LINGER_MS, role="output")
                 )
+            self._epochs = [0] * len(self._outputs)
             ready = self._encoder.encode(self.core.ready_response())
-            for address in addresses.inputs:
+            for index, address in enumerate(addresses.inputs):
+                if reattach:
+                    output = addresses.outputs[index] if index < len(addresses.outputs) else None
+                    link = self._open_link(index, address, output)
+                    self._links.append(link)
+                    inputs.append(link.input)
+                    logger.debug(
+                        "connecting to the input %s: each client there gets the ready message",
+                        address,
+                    )
+                    continue
                 sock = self._connect(
                     zmq.DEALER, address, identity=identity_for_rank(rank), role="input"
                 )
@@ -287,8 +331,13 @@ class EngineCoreProc:
             self._serving = True
             task_status.started()
             async with trio.open_nursery() as nursery:
+                linked = {id(link.input) for link in self._links}
                 for sock in inputs:
-                    nursery.start_soon(self._input_loop, sock)
+                    if id(sock) not in linked:
+                        nursery.start_soon(self._input_loop, sock)
+                for link in self._links:
+                    nursery.start_soon(self._watch_client, link)
+                    nursery.start_soon(self._client_input_loop, link)
                 if self._coordinator is not None:
                     nursery.start_soon(self._report_loop, self._coordinator)
                 await self._busy_loop()
@@ -299,6 +348,8 @@ class EngineCoreProc:
         finally:
             # After abandon(), nothing queued is worth a wait: linger 0.
             linger = 0 if self._abandoned else None
+            for link in self._links:
+                link.close_monitor()
             for sock in (*inputs, *self._outputs):
                 sock.close(linger=linger)
             if self._coordinator is not None:
@@ -359,6 +410,27 @@ class EngineCoreProc:
             role=role,
         )
 
+    def _open_link(self, index: int, address: str, output_address: str | None) -> _ClientLink:
+        """Connect an input DEALER to ``address``, watched from before the connection."""
+        sock = make_socket(
+            self._ctx, zmq.DEALER, identity=identity_for_rank(self.config.data_parallel_rank)
+        )
+        try:
+            # The monitor first, so that not even the first client's handshake is missed.
+            monitor = TrioSocket(sock.raw.get_monitor_socket(CLIENT_EVENTS))
+            link = _ClientLink(index, address, output_address, sock, monitor)
+            try:
+                if self._curve is not None and address.startswith("tcp://"):
+                    self._curve.apply(sock)
+                connect_address(sock, address, role="input")
+            except BaseException:
+                link.close_monitor()
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        return link
+
     # ---------------------------------------------------------------- input side
 
     async def _join_coordinator(self, address: str) -> TrioSocket:
@@ -389,6 +461,123 @@ class EngineCoreProc:
                     continue  # repeated for an engine that joined late
                 self._handle_input(frames)
             self._work.set()
+
+    async def _watch_client(self, link: _ClientLink) -> None:
+        """Follow a client's arrivals and departures on its input socket's monitor."""
+        while True:
+            frames = await link.monitor.recv_multipart(copy_leading=2)
+            event = parse_monitor_message([bytes(f) for f in frames])["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if link.connected:  # a departure libzmq did not report: cannot happen
+                    self._client_departed(link)
+                link.connected = True
+                link.connection += 1
+                link.attach_pending = True
+                logger.debug("a client connected to %s", link.input_address)
+                # The input task sends the ready message: it owns the input socket.
+                if link.wake is not None:
+                    link.wake.cancel()
+            elif event == zmq.EVENT_DISCONNECTED and link.connected:
+                self._client_departed(link)
+
+    def _client_departed(self, link: _ClientLink) -> None:
+        """Forget a client that is gone (synchronous: nothing runs in between)."""
+        link.connected = False
+        link.attached = False
+        link.attach_pending = False
+        index = link.index
+        aborted = self.core.forget_client(index)
+        if index < len(self._epochs):
+            self._epochs[index] += 1
+        self._replace_output(link)
+        self._work.set()
+        logger.info(
+            "client %d left (its connection to %s closed): aborted its %d request(s), "
+            "waiting for the next client",
+            index,
+            link.input_address,
+            aborted,
+        )
+
+    def _replace_output(self, link: _ClientLink) -> None:
+        """Give the client's index a fresh PUSH socket: the outputs still queued on the
+        old one were the departed client's, and must not reach the next one."""
+        index = link.index
+        if link.output_address is None or index >= len(self._outputs):
+            return
+        try:
+            fresh = self._connect(
+                zmq.PUSH, link.output_address, linger_ms=OUTPUT_LINGER_MS, role="output"
+            )
+        except (AddressError, zmq.ZMQError) as exc:  # pragma: no cover - it worked before
+            logger.error(
+                "could not reopen the output socket of client %d (%s): outputs queued for "
+                "the departed client may reach the next one",
+                index,
+                exc,
+            )
+            return
+        stale, self._outputs[index] = self._outputs[index], fresh
+        stale.close(linger=0)
+
+    async def _client_input_loop(self, link: _ClientLink) -> None:
+        """The input task of an attach-mode client: apply its input while a client is
+        attached, drop it otherwise, and greet each new client with the ready message."""
+        sock = link.input
+        while True:
+            if link.attach_pending:
+                await self._attach(link)
+                continue
+            batch: list[Frames] = []
+            with trio.CancelScope() as wake:
+                # The watch task cancels this wait when a client arrives. drain() is
+                # atomic: cancelled, it took nothing off the socket.
+                link.wake = wake
+                try:
+                    batch = await sock.drain(copy_leading=2)
+                finally:
+                    link.wake = None
+            if not batch:
+                continue
+            if not link.attached:
+                # Sent by a client that has left (or by one that did not wait for the
+                # ready message): not applied.
+                logger.debug("dropping %d message(s): no client attached", len(batch))
+                continue
+            for frames in batch:
+                self._handle_input(frames)
+            self._work.set()
+
+    async def _attach(self, link: _ClientLink) -> None:
+        """Greet the client that just connected with the ready message."""
+        link.attach_pending = False
+        connection = link.connection
+        if connection > 1:
+            # A client was here before. Whatever it sent that was not read yet is still
+            # queued (libzmq keeps a connecting socket's queue across connections), and
+            # all of it was queued before its departure was reported, so before this
+            # arrival: take it off now, before the new client can send anything.
+            dropped = await _drop_queued_input(link.input)
+            if dropped:
+                logger.info(
+                    "dropped %d message(s) that the departed client %d sent before it left",
+                    dropped,
+                    link.index,
+                )
+            if link.connection != connection or not link.connected:
+                return  # that client left meanwhile (or another one came): start over
+        ready = self._encoder.encode(self.core.ready_response())
+        # From here on input is the new client's; it sends nothing before this message.
+        link.attached = True
+        try:
+            link.input.send_multipart_nowait(ready)
+        except trio.WouldBlock:  # pragma: no cover - the DEALER's queue is unbounded
+            await link.input.send_multipart(ready)
+        logger.info(
+            "a client attached at %s (connection %d): sent the ready message",
+            link.input_address,
+            connection,
+        )
 
     def _handle_input(self, frames: Frames) -> None:
         if len(frames) < 2:
@@ -482,8 +671,9 @@ class EngineCoreProc:
                 await self._report_waves(self._coordinator)
             if core.can_step:
                 messages = core.step()
+                epochs = tuple(self._epochs)
                 for client_index, outputs in messages.items():
-                    await self._send(client_index, outputs)
+                    await self._send(client_index, outputs, epochs)
                 await self._send_utility_replies()
                 if step_time:
                     await trio.sleep(step_time)
@@ -530,19 +720,34 @@ class EngineCoreProc:
             await trio.sleep(REPORT_INTERVAL_S)
 
     async def _send_utility_replies(self) -> None:
-        for client_index, reply in self.core.take_utility_outputs():
+        replies = self.core.take_utility_outputs()
+        epochs = tuple(self._epochs)
+        for client_index, reply in replies:
             await self._send(
                 client_index,
                 EngineCoreOutputs(
                     engine_index=self.config.data_parallel_rank, utility_output=reply
                 ),
+                epochs,
             )
 
-    async def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+    async def _send(
+        self, client_index: int, outputs: EngineCoreOutputs, epochs: Sequence[int]
+    ) -> None:
+        """Send to a client, unless it left since ``epochs`` was taken (when ``outputs``
+        was computed): then they were the departed client's, and are dropped."""
         if not 0 <= client_index < len(self._outputs):
             logger.error("dropping outputs for unknown client index %d", client_index)
             return
-        await self._outputs[client_index].send_multipart(self._encoder.encode(outputs))
+        if epochs[client_index] != self._epochs[client_index]:
+            return
+        sock = self._outputs[client_index]
+        try:
+            await sock.send_multipart(self._encoder.encode(outputs))
+        except trio.ClosedResourceError:
+            if sock is self._outputs[client_index]:
+                raise
+            # Replaced under us: its client left, and these outputs were its.
 
     def _send_engine_dead(self) -> None:
         for sock in self._outputs:
@@ -552,6 +757,77 @@ class EngineCoreProc:
                 sock.raw.send(ENGINE_CORE_DEAD, zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # pragma: no cover - best effort while dying
                 logger.error("could not send ENGINE_CORE_DEAD: %s", exc)
+
+
+class _ClientLink:
+    """An attach-mode client's input socket, its monitor, and where the client is.
+
+    Written by the watch task (arrivals, departures) and the input task (attaching);
+    both run in one Trio thread, so a synchronous step of either is atomic.
+    """
+
+    __slots__ = (
+        "attach_pending",
+        "attached",
+        "connected",
+        "connection",
+        "index",
+        "input",
+        "input_address",
+        "monitor",
+        "output_address",
+        "wake",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        input_address: str,
+        output_address: str | None,
+        sock: TrioSocket,
+        monitor: TrioSocket,
+    ) -> None:
+        self.index = index
+        """The client index: its requests' ``client_index``, its output socket."""
+        self.input_address = input_address
+        self.output_address = output_address
+        self.input = sock
+        self.monitor = monitor
+        self.connected = False
+        """A client's connection is up (its handshake succeeded, it has not closed)."""
+        self.attached = False
+        """The ready message went out on the current connection: apply the input."""
+        self.attach_pending = False
+        """A client connected and the input task has not sent it the ready message."""
+        self.connection = 0
+        """How many clients connected so far."""
+        self.wake: trio.CancelScope | None = None
+        """The input task's wait for input, which the watch task cancels on an arrival."""
+
+    def close_monitor(self) -> None:
+        """Stop monitoring and close the monitor socket; idempotent."""
+        if not self.input.closed and not self.monitor.closed:
+            self.input.raw.disable_monitor()
+        self.monitor.close(linger=0)
+
+
+async def _drop_queued_input(sock: TrioSocket) -> int:
+    """Take every message queued on ``sock`` right now off it; return how many.
+
+    ``drain()`` always tries a non-blocking receive before it waits, so a drain that
+    waits (until the deadline cancels it, having taken nothing) has found the socket
+    empty, which is the end.
+    """
+    dropped = 0
+    while True:
+        with trio.CancelScope() as scope:
+            # Set once inside: a deadline already past on entering would cancel the
+            # scope before drain() looked at the socket. Set now, it can only take
+            # effect at a checkpoint, i.e. once drain() is waiting.
+            scope.deadline = trio.current_time() + STALE_INPUT_WAIT_S
+            dropped += len(await sock.drain())
+        if scope.cancelled_caught:
+            return dropped
 
 
 def addresses_for(inputs: Sequence[str], outputs: Sequence[str]) -> EngineZmqAddresses:

@@ -2,7 +2,8 @@
 
 A bare ``nox`` runs the default set: lint, typecheck, tests and docs. ``nox -l`` lists
 every session with its description. ``nox -s interop`` (not in the default set) runs
-the tests against real vLLM 0.33.0.
+the tests against real vLLM 0.33.0; ``nox -s ray`` (not in it either) the tests of
+engines placed by Ray.
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session
+def ray(session: nox.Session) -> None:
+    """The Ray tests (tests/test_ray*.py) with the ``ray`` extra; not part of the default run.
+
+    They start a local Ray cluster of 2 CPUs on this machine. ``ray[default]`` adds the
+    dashboard, which serves the state API the tests check the clean-up with.
+    """
+    session.install("-e", ".[ray]", "ray[default]", *_group("test"))
+    session.run("pytest", "tests/test_ray.py", "tests/test_ray_nodes.py", *session.posargs)
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """Run the demo against the built-in reference engine."""
     session.install("-e", ".")
@@ -80,15 +92,23 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The side-by-side benchmark (Trio vs vLLM-style asyncio vs blocking pyzmq).
+    """The side-by-side benchmark (Trio vs vLLM's AsyncMPClient, asyncio, blocking pyzmq).
 
-    Writes benchmarks/results/results.{json,md,png}. ``-- --quick`` is a smoke run: it
-    writes a new temporary directory instead (named on stderr), never the committed
-    results; ``-- --out DIR`` writes DIR, for either. ``-- --redraw
+    Writes benchmarks/results/results.{json,md,png}. vLLM 0.33's real ``AsyncMPClient``
+    is measured when the interop environment that ``nox -s interop`` builds is complete
+    (nothing is built here); without it the report says so. ``-- --quick`` is a smoke
+    run: it writes a new temporary directory instead (named on stderr), never the
+    committed results; ``-- --out DIR`` writes DIR, for either. ``-- --redraw
     benchmarks/results/results.json`` only draws the chart again.
     """
     session.install("-e", ".", *_group("bench"))
-    session.run("python", "-m", "benchmarks.run", *session.posargs)
+    vllm = []
+    env_dir = _vllm_env_dir()
+    if (env_dir / "recipe.json").exists():
+        vllm = ["--vllm-python", str(env_dir / "bin" / "python")]
+    else:
+        session.log(f"no vLLM environment at {env_dir}: `nox -s interop` builds it")
+    session.run("python", "-m", "benchmarks.run", *vllm, *session.posargs)
 
 
 # The CPU-only vLLM 0.33.0 environment of the interop session: vLLM's engine core and
@@ -139,6 +159,13 @@ _VLLM_ENV_CHECK = (
 )
 
 
+def _vllm_env_dir() -> Path:
+    """Where the vLLM environment of the current recipe lives: ``.nox/vllm-<hash>``."""
+    recipe = {"python": VLLM_ENV_PYTHON, **VLLM_ENV_RECIPE}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(".nox").resolve() / f"vllm-{digest}"
+
+
 def _vllm_env(session: nox.Session) -> Path:
     """The vLLM environment's directory, built unless a complete one is cached.
 
@@ -147,9 +174,8 @@ def _vllm_env(session: nox.Session) -> Path:
     removed (2.2 GB each).
     """
     recipe = {"python": VLLM_ENV_PYTHON, **VLLM_ENV_RECIPE}
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    cache = Path(".nox").resolve()
-    target = cache / f"vllm-{digest}"
+    target = _vllm_env_dir()
+    cache = target.parent
     python = target / "bin" / "python"
     marker = target / "recipe.json"
     if marker.exists():

@@ -85,6 +85,9 @@ nitpick_ignore = [
     # architecture guide, not API users build on.
     ("py:class", "trio_enginecore.client._state.ClientState"),
     ("py:class", "trio_enginecore.client._router.WaveFollower"),
+    # The openers' ``**options``: ClientOptions' fields as keywords, documented there.
+    ("py:class", "trio_enginecore.client._options.ClientOptionKeywords"),
+    ("py:class", "trio_enginecore.client._options.InprocOptionKeywords"),
     ("py:class", "collections.deque"),
     # The reference engine's core, which TrioInprocClient.core returns: its API is
     # the engine's, documented by the protocol guide rather than as a class.

@@ -36,7 +36,6 @@ from trio_enginecore import (
     CoordinatorAddresses,
     EngineConfig,
     Liveness,
-    RequestStream,
     TrioMPClient,
     open_engine_client,
 )
@@ -57,6 +56,8 @@ from trio_enginecore.protocol import (
     UtilityResult,
 )
 from trio_enginecore.serial import Buffer, MsgpackDecoder, MsgpackEncoder
+
+from .support import streamed_tokens
 
 __all__ = [
     "AttachedPeers",
@@ -94,14 +95,6 @@ async def delivered_until_finished(client: TrioMPClient, *request_ids: str) -> D
             if out.finished:
                 waiting.discard(out.request_id)
     return delivered
-
-
-async def streamed_tokens(stream: RequestStream) -> list[int]:
-    """Every token of a stream, to its end."""
-    tokens: list[int] = []
-    async for out in stream:
-        tokens += out.new_token_ids
-    return tokens
 
 
 def output(request_id: str, *tokens: int, **fields: Any) -> EngineCoreOutput:
@@ -165,7 +158,8 @@ class HostileEngine:
 
     # ---------------------------------------------------- what the client sends
 
-    async def _read_one(self) -> None:
+    async def _receive(self) -> None:
+        """Read one message from the client and record it."""
         request_type, *payload = await self.dealer.recv_multipart()
         if request_type == _ADD:
             request = self._add_decoder.decode(payload)
@@ -173,9 +167,17 @@ class HostileEngine:
         elif request_type == _ABORT:
             self.aborted += self._abort_decoder.decode(payload)
         elif request_type == _UTILITY:
-            self.calls.append(self._utility_decoder.decode(payload))
+            await self._take_call(self._utility_decoder.decode(payload))
         else:
             raise AssertionError(f"unexpected request type {request_type!r}")
+
+    async def _take_call(self, call: UtilityRequest) -> None:
+        """Keep a UTILITY call the client sent for :meth:`expect_utility`."""
+        self.calls.append(call)
+
+    async def _read_one(self) -> None:
+        # The expect_* methods read in the test's own task.
+        await self._receive()
 
     async def expect_adds(self, *request_ids: str) -> None:
         """Read until the client has sent an ADD for each of these ids."""
@@ -315,25 +317,18 @@ class ServingEngine(HostileEngine):
         """Read what the client sends, for ever (run it in a nursery)."""
         task_status.started()
         while True:
-            request_type, *payload = await self.dealer.recv_multipart()
-            if request_type == _ADD:
-                request = self._add_decoder.decode(payload)
-                self.added[request.request_id] = request
-            elif request_type == _ABORT:
-                self.aborted += self._abort_decoder.decode(payload)
-            elif request_type == _UTILITY:
-                call = self._utility_decoder.decode(payload)
-                if self.silent:
-                    self.ignored.append(call)
-                elif call.method in self.answers:
-                    await self.reply(call, self.answers[call.method])
-                    self.answered[call.method] = self.answered.get(call.method, 0) + 1
-                else:
-                    self.calls.append(call)
-            else:
-                raise AssertionError(f"unexpected request type {request_type!r}")
+            await self._receive()
             self._read.set()
             self._read = trio.Event()
+
+    async def _take_call(self, call: UtilityRequest) -> None:
+        if self.silent:
+            self.ignored.append(call)
+        elif call.method in self.answers:
+            await self.reply(call, self.answers[call.method])
+            self.answered[call.method] = self.answered.get(call.method, 0) + 1
+        else:
+            await super()._take_call(call)
 
     async def _read_one(self) -> None:
         # serve() reads; the expect_* methods wait for it to have read one more.

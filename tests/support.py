@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -10,12 +11,45 @@ from typing import Any
 
 import trio
 
+from trio_enginecore import EngineCoreRequest, RequestStream
+from trio_enginecore.client import TrioEngineClient
 from trio_enginecore.engine import CounterModel
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
     """The tokens the counter model generates after ``prompt``."""
     return CounterModel.expected_tokens(prompt, n)
+
+
+async def streamed_tokens(stream: RequestStream) -> list[int]:
+    """Every token of a stream, to its end."""
+    tokens: list[int] = []
+    async for out in stream:
+        tokens += out.new_token_ids
+    return tokens
+
+
+async def stream_tokens(client: TrioEngineClient, request: EngineCoreRequest) -> list[int]:
+    """Every token of ``request``, streamed by ``client`` to its end."""
+    async with client.stream(request) as stream:
+        return await streamed_tokens(stream)
+
+
+async def stop_process(process: trio.Process, *, grace_s: float | None = 5.0) -> None:
+    """Stop ``process`` (if it still runs) and reap it, shielded from cancellation.
+
+    It gets SIGTERM and ``grace_s`` seconds to exit, then SIGKILL; with ``grace_s=None``
+    SIGKILL at once (a SIGSTOPped process would not act on a SIGTERM).
+    """
+    with trio.CancelScope(shield=True):
+        if grace_s is not None:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(grace_s):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
 
 
 def open_fds() -> set[str]:
@@ -83,3 +117,13 @@ async def schedule_points(call: Callable[[], Awaitable[Any]]) -> int:
     finally:
         trio.lowlevel.remove_instrument(counter)
     return counter.steps
+
+
+async def read_line(stream: trio.abc.ReceiveStream, *, what: str = "the program") -> bytes:
+    """One line from a child's stdout (the child says when it got somewhere)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = await stream.receive_some(100)
+        assert chunk, f"{what} exited before it printed a line (so far: {line!r})"
+        line += chunk
+    return line

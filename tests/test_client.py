@@ -44,15 +44,8 @@ from .support import (
     open_fds,
     process_is_running,
     schedule_points,
+    stream_tokens,
 )
-
-
-async def stream_tokens(client: TrioMPClient, req: EngineCoreRequest) -> list[int]:
-    tokens: list[int] = []
-    async with client.stream(req) as outputs:
-        async for output in outputs:
-            tokens += output.new_token_ids
-    return tokens
 
 
 def assert_idle(client: TrioMPClient) -> None:

@@ -36,10 +36,11 @@ class Aborts:
         self.sent.append((engine.rank, wire_ids))
 
 
-def make_state(engines: int = 1) -> tuple[ClientState, Aborts]:
+def make_state(engines: int = 1, *, route_around: bool = False) -> tuple[ClientState, Aborts]:
     aborts = Aborts()
     handles = [EngineHandle.for_rank(rank) for rank in range(engines)]
-    return ClientState(handles, aborts, max_pending_outputs=4), aborts
+    state = ClientState(handles, aborts, max_pending_outputs=4, route_around=route_around)
+    return state, aborts
 
 
 def request(request_id: str) -> EngineCoreRequest:
@@ -85,6 +86,23 @@ def test_a_registered_request_is_in_flight_on_its_engine_until_its_finished_outp
     batch = state.take_batch()
     assert batch is not None
     assert [o.new_token_ids for o in batch.outputs] == [[5], [6]]  # in arrival order
+
+
+def test_a_finished_request_leaves_the_published_counts_until_the_next_publication() -> None:
+    # Counts published while a burst ran outlive it until the engines publish again; the
+    # client knows its own requests left, and the balancer must not steer around an
+    # engine that is idle by now.
+    state, _ = make_state(engines=2)
+    first, second = state.engines
+    for i in range(3):
+        state.register(request(f"r{i}"), second, stream=None)
+    second.load.waiting, second.load.running = 1, 2  # published mid-burst
+    state.handle_outputs(message(out("r0", 1, finish=FinishReason.STOP), engine=1))
+    assert (second.load.waiting, second.load.running, second.load.in_flight) == (1, 1, 2)
+    state.handle_outputs(message(out("r1", 1, finish=FinishReason.STOP), engine=1))
+    state.abort(["r2"])
+    assert (second.load.waiting, second.load.running, second.load.in_flight) == (0, 0, 0)
+    assert (first.load.waiting, first.load.running) == (0, 0)
 
 
 def test_abort_sends_one_abort_per_engine_holding_the_requests() -> None:
@@ -232,7 +250,7 @@ def test_a_message_from_an_engine_the_client_does_not_have_is_dropped_whole() ->
 
 def test_a_utility_reply_resolves_its_call_and_unknown_replies_are_ignored() -> None:
     state, _ = make_state()
-    call_id, call = state.new_call("is_sleeping")
+    call_id, call = state.calls.new("is_sleeping", state.engines[0])
     state.handle_outputs(
         EngineCoreOutputs(utility_output=UtilityOutput(call_id + 1, None, UtilityResult(True)))
     )
@@ -243,8 +261,8 @@ def test_a_utility_reply_resolves_its_call_and_unknown_replies_are_ignored() -> 
     assert call.done.is_set()
     assert call.reply is not None
     assert call.reply.result == UtilityResult(False)
-    assert state.end_call(call_id) is True
-    assert state.calls == {}
+    assert state.calls.end(call_id) is True
+    assert state.calls.pending == {}
 
 
 def test_engine_notifications_are_not_replies() -> None:
@@ -252,15 +270,15 @@ def test_engine_notifications_are_not_replies() -> None:
     state.handle_outputs(
         EngineCoreOutputs(utility_output=UtilityOutput(EEP_NOTIFICATION_CALL_ID, None, None))
     )
-    assert state.calls == {}
+    assert state.calls.pending == {}
     assert state.statistics().messages_received == 1
 
 
 def test_an_abandoned_call_is_reported_as_unanswered() -> None:
     state, _ = make_state()
-    call_id, _ = state.new_call("sleep")
-    assert state.end_call(call_id) is False
-    assert state.calls == {}
+    call_id, _ = state.calls.new("sleep", state.engines[0])
+    assert state.calls.end(call_id) is False
+    assert state.calls.pending == {}
 
 
 # ----------------------------------------------------------------- failures
@@ -273,7 +291,7 @@ def test_an_engine_death_fails_only_its_requests_and_every_pending_call() -> Non
     on_second = stream_feed(state, "y")
     state.register(request("x"), first, stream=on_first)
     state.register(request("y"), second, stream=on_second)
-    _, call = state.new_call("is_sleeping")
+    _, call = state.calls.new("is_sleeping", state.engines[0])
     waiter = state.batch_ready
     assert state.engine_died(first, "killed") is True
     assert state.engine_died(first, "again") is False
@@ -290,6 +308,120 @@ def test_an_engine_death_fails_only_its_requests_and_every_pending_call() -> Non
     assert state.statistics().engines_alive == 1
 
 
+def test_routing_around_a_death_fails_that_engines_requests_and_calls_only() -> None:
+    state, aborts = make_state(engines=3, route_around=True)
+    first, second, third = state.engines
+    on_first, on_second = stream_feed(state, "x"), stream_feed(state, "y")
+    state.register(request("x"), first, stream=on_first)
+    state.register(request("y"), second, stream=on_second)
+    state.register(request("b1"), first, stream=None)
+    state.register(request("b2"), third, stream=None)
+    _, owed_by_first = state.calls.new("is_sleeping", first)
+    _, owed_by_second = state.calls.new("is_sleeping", second)
+
+    assert state.engine_died(first, "killed by signal 9") is True
+
+    assert state.failure is None
+    assert not state.ended.is_set()
+    state.raise_if_unusable()  # the client serves on
+    assert on_first.failure is not None
+    assert "engine rank 0 died: killed by signal 9" in on_first.failure
+    assert on_second.failure is None
+    assert owed_by_first.failure is not None
+    assert not owed_by_second.done.is_set()
+    assert "x" not in state.ids_in_flight
+    assert "b1" not in state.ids_in_flight
+    assert "y" in state.ids_in_flight
+    assert "b2" in state.ids_in_flight
+    # An ABORT for an engine that may still be running (one cut off, say).
+    assert aborts.sent == [(0, ["x", "b1"])]
+
+
+def test_a_batch_request_of_an_engine_routed_around_ends_with_a_local_error_output() -> None:
+    state, _ = make_state(engines=2, route_around=True)
+    first, _second = state.engines
+    state.register(request("b"), first, stream=None)
+    state.engine_died(first, "exited with code 1")
+    delivered = state.take_batch()
+    assert delivered is not None
+    assert delivered.engine_index == 0
+    (output,) = delivered.outputs
+    assert output.request_id == "b"
+    assert output.finish_reason is FinishReason.ERROR
+    assert output.error is not None
+    assert output.error.code == "engine_dead"
+    assert output.error.retryable
+    assert "engine rank 0 died: exited with code 1" in output.error.message
+    assert state.take_batch() is None
+
+
+def test_an_id_whose_engine_was_routed_around_is_retried_under_a_fresh_wire_id() -> None:
+    """Should the engine come back (an attached engine cut off by the network), its
+    late outputs for the old request must not reach the retry."""
+    state, _ = make_state(engines=2, route_around=True)
+    first, second = state.engines
+    state.register(request("r"), first, stream=None)
+    state.engine_died(first, "no answer to a liveness check")
+    state.take_batch()
+    retry = state.register(request("r"), second, stream=None)
+    assert retry.request_id != "r"
+    state.handle_outputs(message(out("r", 5, finish=FinishReason.STOP), engine=1))
+    assert state.take_batch() is None
+    assert state.statistics().outputs_dropped == 1
+
+
+def test_routing_around_fails_the_client_only_when_no_engine_is_left() -> None:
+    state, _ = make_state(engines=2, route_around=True)
+    first, second = state.engines
+    _, call = state.calls.new("is_sleeping", second)
+    state.engine_died(first, "killed")
+    assert state.failure is None
+    assert state.engine_died(second, "exited with code 1") is True
+    assert state.failure is not None
+    assert state.failure.startswith("no engine is left: engine rank 1 died: exited")
+    assert state.ended.is_set()
+    assert call.failure is not None
+    with pytest.raises(EngineDeadError, match="no engine is left"):
+        state.raise_if_unusable()
+
+
+def test_statistics_show_each_engines_state_and_why_it_died() -> None:
+    state, _ = make_state(engines=2, route_around=True)
+    first, second = state.engines
+    state.register(request("a"), second, stream=None)
+    state.engine_died(first, "killed by signal 9")
+    statuses = state.statistics().engines
+    assert [(e.rank, e.state, e.in_flight) for e in statuses] == [(0, "dead", 0), (1, "alive", 1)]
+    assert statuses[0].death == "killed by signal 9"
+    assert statuses[1].death is None
+    assert state.statistics().engines_alive == 1
+
+
+@pytest.mark.parametrize("route_around", [False, True])
+def test_requests_an_engine_in_service_lost_fail_alone_whatever_the_policy(
+    route_around: bool,
+) -> None:
+    state, _ = make_state(engines=1, route_around=route_around)
+    (engine,) = state.engines
+    feed = stream_feed(state, "s")
+    state.register(request("s"), engine, stream=feed)
+    state.register(request("b"), engine, stream=None)
+    _, call = state.calls.new("is_sleeping", engine)
+    state.requests_lost(engine, "sent a second ready message")
+    assert state.failure is None  # the engine is still in service
+    state.raise_if_unusable()
+    assert engine.alive
+    assert feed.failure is not None
+    assert "second ready message" in feed.failure
+    assert call.failure is not None
+    delivered = state.take_batch()
+    assert delivered is not None
+    assert [(o.request_id, o.finish_reason) for o in delivered.outputs] == [
+        ("b", FinishReason.ERROR)
+    ]
+    assert state.statistics().requests_in_flight == 0
+
+
 def test_a_death_during_closing_is_no_news() -> None:
     state, _ = make_state()
     state.close()
@@ -304,7 +436,7 @@ def test_closing_aborts_what_is_in_flight_and_fails_every_waiter() -> None:
     feed = stream_feed(state, "s")
     state.register(request("s"), state.engines[0], stream=feed)
     state.register(request("b"), state.engines[0], stream=None)
-    _, call = state.new_call("sleep")
+    _, call = state.calls.new("sleep", state.engines[0])
     state.close()
     assert aborts.sent == [(0, ["s", "b"])]
     assert feed.finished_received  # ended with a local ABORT output
@@ -316,9 +448,9 @@ def test_closing_aborts_what_is_in_flight_and_fails_every_waiter() -> None:
 
 def test_the_clients_own_liveness_calls_are_not_counted_as_pending() -> None:
     state = ClientState([EngineHandle.for_rank(0)], lambda engine, ids: None)
-    state.new_call("is_sleeping", internal=True)
+    state.calls.new("is_sleeping", state.engines[0], internal=True)
     assert state.statistics().pending_utility_calls == 0
-    call_id, _ = state.new_call("is_sleeping")
+    call_id, _ = state.calls.new("is_sleeping", state.engines[0])
     assert state.statistics().pending_utility_calls == 1
-    state.end_call(call_id)
+    state.calls.end(call_id)
     assert state.statistics().pending_utility_calls == 0

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
@@ -83,9 +83,6 @@ TIMEOUT_S = 10
 """Bound on every test; each takes well under 2 s."""
 
 COORDINATOR_FRAMES = Path(__file__).parent / "data" / "vllm-0.33.0-coordinator" / "frames.json"
-
-"""What ``get_output()`` delivered: per request id, each output's tokens and whether it
-was the finished one."""
 
 
 def request(request_id: str, *, rank: int | None = None) -> EngineCoreRequest:
@@ -190,22 +187,30 @@ ENGINES = [
 ]
 
 
-@pytest.mark.parametrize(("size", "bad_rank"), ENGINES)
-@pytest.mark.parametrize("frames", UNDECODABLE_READY.values(), ids=UNDECODABLE_READY.keys())
-async def test_an_undecodable_ready_message_fails_the_startup_at_once_naming_the_engine(
-    frames: Callable[[], list[Buffer]], size: int, bad_rank: int
-) -> None:
-    ready_timeout_s = TIMEOUT_S  # the error must come long before it
+async def failed_startup(
+    *,
+    size: int = 1,
+    ranks: Sequence[int] | None = None,
+    bad: Mapping[int, list[Buffer]] | None = None,
+    ready_timeout_s: float,
+) -> tuple[EngineStartupError, float]:
+    """Start a client (``EngineConfig(data_parallel_size=size)``) attached to a
+    :class:`~tests.hostile.HostileEngine` of each of ``ranks`` (by default 0 to
+    size - 1): the engine of a rank in ``bad`` sends those frames, every other one a
+    well-formed ready message. The startup must fail: the ``EngineStartupError`` and
+    how long it took; nothing the client opened may stay open."""
+    bad = bad or {}
     fds_before = open_fds()
     with trio.fail_after(TIMEOUT_S):
         async with attach_addresses() as (ctx, input_address, output_address):
             engines = [
-                HostileEngine(ctx, input_address, output_address, rank=rank) for rank in range(size)
+                HostileEngine(ctx, input_address, output_address, rank=rank)
+                for rank in (range(size) if ranks is None else ranks)
             ]
             try:
                 for engine in engines:
-                    if engine.rank == bad_rank:
-                        await engine.dealer.send_multipart(frames())
+                    if engine.rank in bad:
+                        await engine.dealer.send_multipart(bad[engine.rank])
                     else:
                         await engine.send_ready()
                 started_at = trio.current_time()
@@ -218,14 +223,26 @@ async def test_an_undecodable_ready_message_fails_the_startup_at_once_naming_the
                         liveness=None,
                     ):
                         pytest.fail("the client must not start")
-                assert trio.current_time() - started_at < ready_timeout_s / 2
+                took = trio.current_time() - started_at
             finally:
                 for engine in engines:
                     engine.close()
-    message = str(failed.value)
-    assert f"engine rank {bad_rank} sent an invalid ready message" in message
-    assert type(failed.value) is EngineStartupError
     assert open_fds() - fds_before == set()
+    return failed.value, took
+
+
+@pytest.mark.parametrize(("size", "bad_rank"), ENGINES)
+@pytest.mark.parametrize("frames", UNDECODABLE_READY.values(), ids=UNDECODABLE_READY.keys())
+async def test_an_undecodable_ready_message_fails_the_startup_at_once_naming_the_engine(
+    frames: Callable[[], list[Buffer]], size: int, bad_rank: int
+) -> None:
+    ready_timeout_s = TIMEOUT_S  # the error must come long before it
+    failed, took = await failed_startup(
+        size=size, bad={bad_rank: frames()}, ready_timeout_s=ready_timeout_s
+    )
+    assert took < ready_timeout_s / 2
+    assert f"engine rank {bad_rank} sent an invalid ready message" in str(failed)
+    assert type(failed) is EngineStartupError
 
 
 WRONG_SHAPE_READY: dict[str, Callable[[], list[Buffer]]] = {
@@ -241,63 +258,22 @@ async def test_a_ready_message_of_the_wrong_shape_is_ignored_and_the_startup_tim
     frames: Callable[[], list[Buffer]], size: int, bad_rank: int
 ) -> None:
     ready_timeout_s = 0.3  # the time that must pass
-    fds_before = open_fds()
-    with trio.fail_after(TIMEOUT_S):
-        async with attach_addresses() as (ctx, input_address, output_address):
-            engines = [
-                HostileEngine(ctx, input_address, output_address, rank=rank) for rank in range(size)
-            ]
-            try:
-                for engine in engines:
-                    if engine.rank == bad_rank:
-                        await engine.dealer.send_multipart(frames())
-                    else:
-                        await engine.send_ready()
-                started_at = trio.current_time()
-                with pytest.raises(EngineStartupError) as failed:
-                    async with open_engine_client(
-                        EngineConfig(data_parallel_size=size),
-                        input_address=input_address,
-                        output_address=output_address,
-                        ready_timeout_s=ready_timeout_s,
-                        liveness=None,
-                    ):
-                        pytest.fail("the client must not start")
-                waited = trio.current_time() - started_at
-            finally:
-                for engine in engines:
-                    engine.close()
+    failed, waited = await failed_startup(
+        size=size, bad={bad_rank: frames()}, ready_timeout_s=ready_timeout_s
+    )
     assert ready_timeout_s <= waited < ready_timeout_s + 2
-    message = str(failed.value)
+    message = str(failed)
     assert message.startswith("engine not ready within 0.3 s: ")
     assert f"engine rank {bad_rank} never sent its ready message" in message
     for rank in range(size):
         if rank != bad_rank:
             assert f"engine rank {rank}" not in message  # it was ready
-    assert open_fds() - fds_before == set()
 
 
 async def test_a_ready_message_from_an_identity_of_no_engine_is_ignored() -> None:
-    fds_before = open_fds()
-    with trio.fail_after(TIMEOUT_S):
-        async with attach_addresses() as (ctx, input_address, output_address):
-            stranger = HostileEngine(ctx, input_address, output_address, rank=7)
-            try:
-                await stranger.send_ready()
-                with pytest.raises(EngineStartupError) as failed:
-                    async with open_engine_client(
-                        EngineConfig(),
-                        input_address=input_address,
-                        output_address=output_address,
-                        ready_timeout_s=0.3,
-                        liveness=None,
-                    ):
-                        pytest.fail("the client must not start")
-            finally:
-                stranger.close()
-    assert "engine rank 0 never sent its ready message" in str(failed.value)
-    assert "rank 7" not in str(failed.value)
-    assert open_fds() - fds_before == set()
+    failed, _ = await failed_startup(ranks=[7], ready_timeout_s=0.3)
+    assert "engine rank 0 never sent its ready message" in str(failed)
+    assert "rank 7" not in str(failed)
 
 
 # ------------------------------------------------------------ undecodable outputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -179,6 +180,49 @@ def test_merge_keeps_the_newest_value_that_was_set_for_other_fields() -> None:
     assert merged.routed_experts is experts_new
     assert merged.mm_cache_miss_hashes == ["h"]
     assert merged.new_token_ids == [1, 2, 3]
+
+
+# A value to set for each field of EngineCoreOutput a merge must not lose; one added to
+# the protocol later and missing here fails the test below.
+_SET: dict[str, object] = {
+    "new_logprobs": logprobs_for([2]),
+    "new_prompt_logprobs_tensors": "prompt-logprobs",
+    "pooling_output": "pooled",
+    "events": [EngineCoreEvent(EngineCoreEventType.QUEUED, 1.0)],
+    "kv_transfer_params": {"k": 1},
+    "ec_transfer_params": {"e": 1},
+    "trace_headers": {"t": "1"},
+    "prefill_stats": PrefillStats(num_prompt_tokens=3),
+    "routed_experts": np.zeros((1, 2), np.int32),
+    "num_nans_in_logits": 2,
+    "mm_cache_miss_hashes": ["h"],
+    "new_sampling_mask": "mask",
+    "spec_decode_metrics": "spec",
+    "prompt_token_id_logprobs": "ptl",
+    "error": RequestError("code", "message"),
+}
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        f.name
+        for f in msgspec.structs.fields(EngineCoreOutput)
+        if f.name not in ("request_id", "new_token_ids", "finish_reason", "stop_reason")
+    ],
+)
+def test_no_field_of_a_newer_output_is_lost_in_a_merge(field: str) -> None:
+    """The merge's fast path (only tokens and how they ended) must not be taken for an
+    output that carries anything else."""
+    assert field in _SET, f"EngineCoreOutput.{field} is new: say how it merges"
+    newer = output(2, **{field: _SET[field]})
+    merged = merge_outputs(output(1), newer)
+    value = getattr(merged, field)
+    if isinstance(value, np.ndarray) or field == "new_logprobs":
+        assert value is not None
+    else:
+        assert value == _SET[field]
+    assert merged.new_token_ids == [1, 2]
 
 
 @settings(max_examples=150, deadline=None)

@@ -43,7 +43,7 @@ from trio_enginecore.protocol import LoRARequest
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
 from .enginepeer import serve_command
-from .support import children_of_this_process, open_fds
+from .support import children_of_this_process, open_fds, stop_process
 
 KINDS = [
     "trio-launched",
@@ -140,14 +140,7 @@ async def _attached(config: EngineConfig) -> AsyncIterator[TrioEngineClient]:
         async with open_engine_client(config, input_address=inp, output_address=out) as client:
             yield client
     finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(5):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
 
 
 async def collect(harness: Harness, requests: dict[str, list[int]]) -> dict[str, list[int]]:

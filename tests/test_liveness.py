@@ -29,7 +29,7 @@ from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
 from .enginepeer import serve_command
-from .support import children_of_this_process, process_is_running
+from .support import children_of_this_process, process_is_running, stop_process
 
 DEADLINE_S = 2.0
 """What the defaults promise on loopback: a hang noticed within 2 s."""
@@ -82,10 +82,7 @@ async def attached_engine(config: EngineConfig) -> AsyncIterator[tuple[str, str,
     try:
         yield inp, out, process
     finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
+        await stop_process(process, grace_s=None)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
@@ -227,3 +224,35 @@ async def test_cancel_on_failure_with_real_engines_stops_a_body_when_one_is_kill
 async def test_a_block_that_ends_normally_with_cancel_on_failure_raises_nothing() -> None:
     async with open_fake_engine_client(cancel_on_failure=True) as client:
         assert await client.is_sleeping() is False
+
+
+async def test_after_one_death_fails_the_client_the_engines_left_are_still_watched() -> None:
+    """Under ``"fail"`` the other engines' streams keep streaming after a death, so a
+    second engine that then hangs must still be noticed: its streams raise, they do
+    not wait forever (as after a MoE rank's kill, when the rank left hangs)."""
+    with trio.fail_after(30):
+        with pytest.raises(EngineDeadError, match="engine rank 0"):
+            async with open_engine_client(
+                EngineConfig(data_parallel_size=2, step_time_s=0.01)
+            ) as client:
+                first, second = client.engine_pids
+                assert first is not None
+                assert second is not None
+                request = EngineCoreRequest.for_tokens(
+                    [1], request_id="on-1", max_tokens=1_000_000, data_parallel_rank=1
+                )
+                async with client.stream(request) as outputs:
+                    await outputs.receive()
+                    os.kill(first, signal.SIGKILL)
+                    await client.wait_failed()
+                    await outputs.receive()  # the survivor's stream goes on...
+                    os.kill(second, signal.SIGSTOP)
+                    stopped = trio.current_time()
+                    with pytest.raises(EngineDeadError, match=r"engine rank 1.*stopped") as hung:
+                        async for _ in outputs:
+                            pass
+                    # ...until its engine hangs too, and that is noticed in time.
+                    assert trio.current_time() - stopped <= DEADLINE_S
+                assert "killed it" in str(hung.value)
+    assert not process_is_running(second)
+    assert children_of_this_process() == []

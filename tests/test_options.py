@@ -4,13 +4,29 @@ and clients that close themselves as Trio resources."""
 from __future__ import annotations
 
 import math
+import re
+import typing
 
 import attrs
 import pytest
 import trio
 
-from trio_enginecore import EngineConfig, EngineCoreRequest, connect_engine_client
-from trio_enginecore.client import ClientOptions, TrioEngineClient, TrioMPClient, run_client
+from trio_enginecore import (
+    EngineConfig,
+    EngineCoreRequest,
+    Liveness,
+    connect_engine_client,
+    open_engine_client,
+)
+from trio_enginecore.client import (
+    ClientOptions,
+    RemoteEngines,
+    Restart,
+    TrioEngineClient,
+    TrioMPClient,
+    run_client,
+)
+from trio_enginecore.client._options import ClientOptionKeywords, InprocOptionKeywords
 
 from .support import children_of_this_process, expected, open_fds
 
@@ -24,6 +40,33 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_by_name(
         ClientOptions(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda v: Liveness(interval_s=v), "Liveness.interval_s"),
+        (lambda v: Liveness(timeout_s=v), "Liveness.timeout_s"),
+        (lambda v: Restart(backoff_s=v), "Restart.backoff_s"),
+        (lambda v: Restart(wait_s=v), "Restart.wait_s"),
+        (
+            lambda v: RemoteEngines("tcp://127.0.0.1:1", liveness_timeout_s=v),
+            "RemoteEngines.liveness_timeout_s",
+        ),
+    ],
+)
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, True, "1"])
+def test_every_settings_object_refuses_a_duration_that_is_not_a_positive_number_by_name(
+    make: typing.Callable[[object], object], name: str, value: object
+) -> None:
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)} must be a positive number, got "):
+        make(value)
+
+
+def test_an_optional_interval_may_be_none_but_not_zero() -> None:
+    assert RemoteEngines("tcp://127.0.0.1:1", liveness_interval_s=None).liveness_interval_s is None
+    with pytest.raises(ValueError, match=r"RemoteEngines\.liveness_interval_s"):
+        RemoteEngines("tcp://127.0.0.1:1", liveness_interval_s=0)
+
+
 def test_options_are_frozen_and_keyword_only() -> None:
     options = ClientOptions(ready_timeout_s=3.0)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
@@ -31,6 +74,44 @@ def test_options_are_frozen_and_keyword_only() -> None:
     with pytest.raises(TypeError):
         ClientOptions(None)  # type: ignore[misc]
     assert attrs.evolve(options, client_index=2).client_index == 2
+
+
+def test_the_openers_keywords_are_exactly_the_options_fields_with_their_types() -> None:
+    """The keywords of ``open_engine_client(**options)`` are declared once, beside the
+    options; they cannot drift apart."""
+    hints = typing.get_type_hints(ClientOptionKeywords)
+    fields = typing.get_type_hints(ClientOptions)
+    assert hints == {field.name: fields[field.name] for field in attrs.fields(ClientOptions)}
+    inproc = typing.get_type_hints(InprocOptionKeywords)
+    assert inproc == {name: hints[name] for name in ("max_pending_outputs", "client_index")}
+
+
+async def test_open_engine_client_takes_options_bundled_or_as_keywords_never_both() -> None:
+    options = ClientOptions(max_pending_outputs=8, shutdown_timeout_s=2.0)
+    with trio.fail_after(30):
+        async with open_engine_client(EngineConfig(), options) as client:
+            assert client.options is options
+            assert await client.is_sleeping() is False
+    with pytest.raises(TypeError, match="not both"):
+        open_engine_client(EngineConfig(), options, client_index=1)
+    assert children_of_this_process() == []
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"ready_timeout_s": 3.0},
+        {"liveness": Liveness(interval_s=1.0, timeout_s=2.0)},
+        {"liveness": None},
+        {"input_address": "ipc:///tmp/x"},
+    ],
+)
+def test_an_in_process_client_refuses_the_options_of_processes_by_name(
+    option: dict[str, typing.Any],
+) -> None:
+    (name,) = option
+    with pytest.raises(ValueError, match=rf"in-process client takes only .* got \['{name}'\]"):
+        open_engine_client(multiprocess=False, **option)
 
 
 async def test_options_and_keywords_together_are_refused_before_anything_starts() -> None:

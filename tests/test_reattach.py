@@ -34,7 +34,14 @@ from trio_enginecore.protocol import EngineCoreReadyResponse, EngineCoreRequestT
 from trio_enginecore.serial import MsgpackDecoder
 
 from .enginepeer import RANK0, EnginePeer, make_request, serve_command, tokens_of
-from .support import children_of_this_process, open_fds, process_is_running
+from .support import (
+    children_of_this_process,
+    open_fds,
+    process_is_running,
+    read_line,
+    stop_process,
+    stream_tokens,
+)
 
 # A step takes 2 ms, so a request of 10**5 tokens runs for minutes: a departed client's
 # requests would still be running long after every bound of these tests.
@@ -79,27 +86,12 @@ async def standalone_engine() -> AsyncIterator[Standalone]:
         assert process.returncode is None, f"the engine exited with {process.returncode}"
         assert process_is_running(process.pid)
     finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(10):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+        await stop_process(process, grace_s=10)
         shutil.rmtree(tmp, ignore_errors=True)
     assert process.returncode == 0
     assert children_of_this_process() == []
     leaked = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - fds_before}
     assert leaked == {}
-
-
-async def stream_tokens(client: TrioEngineClient, request: EngineCoreRequest) -> list[int]:
-    tokens: list[int] = []
-    async with client.stream(request) as outputs:
-        async for output in outputs:
-            tokens += output.new_token_ids
-    return tokens
 
 
 async def exact_results(client: TrioEngineClient, tag: str, n: int = 6) -> None:
@@ -218,11 +210,7 @@ async def test_a_client_killed_mid_stream_leaves_nothing_running_for_the_next() 
                         )
                     )
                     assert doomed.stdout is not None
-                    line = b""
-                    while not line.endswith(b"\n"):
-                        chunk = await doomed.stdout.receive_some(100)
-                        assert chunk, "the client program ended before streaming"
-                        line += chunk
+                    line = await read_line(doomed.stdout, what="the client program")
                     assert line == b"streaming\n"
                     doomed.kill()
                     await doomed.stdout.aclose()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import trio
 import trio.testing
@@ -501,3 +503,20 @@ async def test_the_stream_is_a_trio_receive_channel() -> None:
     feed_of(stream).push(out(1, finish=FinishReason.STOP))
     async with stream:
         assert [o.new_token_ids async for o in stream] == [[1]]
+
+
+async def test_a_stream_block_is_entered_once_and_lets_go_of_the_request() -> None:
+    from trio_enginecore import EngineCoreRequest
+    from trio_enginecore.testing import open_fake_engine_client
+
+    async with open_fake_engine_client() as client:
+        request = EngineCoreRequest.for_tokens([1], request_id="once", max_tokens=2)
+        block = client.stream(request)
+        async with block as outputs:
+            # Sent: the block holds the request no more (an open stream costs less).
+            assert all(referent is not request for referent in gc.get_referents(block))
+            tokens = [t async for o in outputs for t in o.new_token_ids]
+        assert len(tokens) == 2
+        with pytest.raises(RuntimeError, match="entered only once"):
+            async with block:
+                pass  # pragma: no cover

@@ -16,7 +16,7 @@ from trio_enginecore.client._launch import EngineHandle
 from trio_enginecore.client._router import DataParallelRole, Router, WaveFollower
 from trio_enginecore.config import EngineConfig
 from trio_enginecore.coordinator import CoordinatorAddresses
-from trio_enginecore.errors import ProtocolError
+from trio_enginecore.errors import EngineDeadError, ProtocolError
 from trio_enginecore.protocol import CoordinatorPublication, EngineCoreRequest
 
 
@@ -195,6 +195,48 @@ def test_the_router_sees_engines_added_to_its_list_in_place() -> None:
     assert router.engines is shared
     assert router.engine_for(request()) is shared[1]
     assert router.utility_engine() is shared[0]
+
+
+def out_of_service(router: Router, engine: EngineHandle) -> None:
+    engine.alive = False
+    engine.death = "killed by signal 9"
+    router.take_out(engine)
+
+
+@pytest.mark.parametrize("balancer", [LeastLoaded(), PowerOfTwoChoices(rng=random.Random(3))])
+def test_an_engine_taken_out_of_service_is_never_chosen(
+    balancer: LeastLoaded | PowerOfTwoChoices,
+) -> None:
+    handles = loaded(engines(0, 1, 2), 0, 9, 9)  # rank 0 would win every time
+    router = Router(handles, balancer)
+    out_of_service(router, handles[0])
+    chosen = {router.engine_for(request()).rank for _ in range(200)}
+    assert chosen == {1, 2}
+
+
+def test_a_request_naming_a_rank_out_of_service_is_refused_before_anything_is_chosen() -> None:
+    handles = engines(0, 1)
+    router = Router(handles, LeastLoaded())
+    out_of_service(router, handles[1])
+    with pytest.raises(EngineDeadError, match=r"data_parallel_rank 1 is out of service.*signal 9"):
+        router.check(request(data_parallel_rank=1))
+    router.check(request(data_parallel_rank=0))
+    assert router.engine_for(request(data_parallel_rank=0)) is handles[0]
+    assert [h.load.waiting for h in handles] == [1, 0]  # the refusal counted nothing
+
+
+@pytest.mark.parametrize("rank", [-1, 2])
+def test_checking_a_request_naming_a_rank_out_of_range_raises_value_error(rank: int) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        Router(engines(0, 1), LeastLoaded()).check(request(data_parallel_rank=rank))
+
+
+def test_utilities_go_to_the_first_engine_in_service() -> None:
+    handles = engines(0, 1, 2)
+    router = Router(handles, LeastLoaded())
+    out_of_service(router, handles[0])
+    assert router.utility_engine() is handles[1]
+    assert router.live == handles[1:]
 
 
 # ----------------------------------------------------------------- waves

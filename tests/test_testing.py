@@ -155,3 +155,15 @@ async def _cancel_after(scope: trio.CancelScope, ticks: int) -> None:
     for _ in range(ticks):
         await trio.lowlevel.checkpoint()
     scope.cancel()
+
+
+async def test_the_fake_engine_forgets_an_aborted_request_at_once() -> None:
+    """As an engine does when it reads the ABORT: a call right after ``abort_requests``
+    does not count the request (the play task that produced it ends later)."""
+    async with open_fake_engine_client(FakeEngine(step_time_s=0.001)) as client:
+        for i in range(50):
+            await client.add_request(
+                EngineCoreRequest.for_tokens([1], request_id=f"long-{i}", max_tokens=10_000)
+            )
+            await client.abort_requests([f"long-{i}"])
+            assert await client.get_request_counts() == (0, 0)

@@ -41,9 +41,9 @@ class Server(NamedTuple):
     process: subprocess.Popen[str]
 
 
-def start_server() -> Server:
+def start_server(*options: str) -> Server:
     process = subprocess.Popen(
-        [sys.executable, str(PROGRAM), "--serve"],
+        [sys.executable, str(PROGRAM), "--serve", *options],
         cwd=PROGRAM.parents[2],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -78,10 +78,11 @@ def server() -> Iterator[Server]:
     assert "server stopped" in rest
 
 
-@pytest.fixture
-def doomed_server() -> Iterator[Server]:
-    """A server of our own, whose engine a test may kill."""
-    server = start_server()
+@pytest.fixture(params=[()])
+def doomed_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A server of our own, whose engine a test may kill (``request.param``: the
+    server's options)."""
+    server = start_server(*request.param)
     try:
         yield server
     finally:
@@ -236,3 +237,51 @@ async def test_health_answers_503_once_the_engine_is_killed(doomed_server: Serve
     returncode, rest = stop_server(server)
     assert returncode == 1, rest
     assert "raised EngineDeadError" in rest
+
+
+@pytest.mark.parametrize("doomed_server", [("--on-engine-death", "stop")], indirect=True)
+async def test_with_cancel_on_failure_the_server_stops_by_itself_when_the_engine_dies(
+    doomed_server: Server,
+) -> None:
+    server = doomed_server
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        assert (await health(http))[0] == 200
+        os.kill(server.engine_pid, signal.SIGKILL)
+        # No SIGTERM from us: the client cancels the block's body, the HTTP server
+        # shuts down, and the program exits with the one EngineDeadError.
+        with trio.fail_after(15):
+            while server.process.poll() is None:
+                await trio.sleep(0.05)
+        with pytest.raises(httpx.ConnectError):
+            await http.get("/health")
+    rest, _ = server.process.communicate(timeout=30)
+    assert server.process.returncode == 1, rest
+    assert "raised EngineDeadError" in rest
+    assert "killed by signal 9" in rest
+
+
+@pytest.mark.parametrize("doomed_server", [("--on-engine-death", "restart")], indirect=True)
+async def test_with_the_restart_policy_the_server_serves_on_after_the_engine_is_killed(
+    doomed_server: Server,
+) -> None:
+    server = doomed_server
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        async with http.stream("POST", "/generate", json=LONG) as response:
+            lines: list[str] = []
+            async for line in response.aiter_lines():
+                lines.append(line)
+                if len(lines) == 2:
+                    os.kill(server.engine_pid, signal.SIGKILL)
+        name, data = parse_events(lines)[-1]
+        assert name == "error"
+        assert "killed by signal 9" in data["error"]
+        with trio.fail_after(20):
+            body = await wait_for_health(http, 200)
+        assert body["status"] == "ok"
+        response = await http.post("/generate", json={"prompt": "The river", "max_tokens": 5})
+        assert response.status_code == 200
+        events = parse_events(response.text.splitlines())
+        assert events[-1][0] != "error"
+    returncode, rest = stop_server(server)
+    assert returncode == 0, rest
+    assert "server stopped" in rest

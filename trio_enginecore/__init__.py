@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import logging as _logging
 
-from . import errors as errors, protocol as protocol, serial as serial
-from ._curve import (
-    CurveClient as CurveClient,
-    CurveKeyPair as CurveKeyPair,
-    CurveServer as CurveServer,
-    write_key_pair as write_key_pair,
-)
+from . import curve as curve, errors as errors, protocol as protocol, serial as serial
 from ._listeners import ListenerFd as ListenerFd
 from .client import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
@@ -69,9 +63,6 @@ __all__ = [
     "AsyncEngineCoreClient",
     "ClientStatistics",
     "CoordinatorAddresses",
-    "CurveClient",
-    "CurveKeyPair",
-    "CurveServer",
     "DPLBTrioMPClient",
     "DPTrioMPClient",
     "EngineConfig",
@@ -105,13 +96,13 @@ __all__ = [
     "TrioMPClient",
     "UtilityCallError",
     "connect_engine_client",
+    "curve",
     "errors",
     "make_client",
     "open_coordinator",
     "open_engine_client",
     "protocol",
     "serial",
-    "write_key_pair",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -303,8 +303,9 @@ async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[
     """Memory per open stream: ``streams`` streams waiting on a paused engine.
 
     The engine's scheduler is paused (``keep``) so no stream receives anything; each
-    stream is a task blocked in ``receive()``. Reports the resident-memory growth of
-    this process divided by the number of streams (task, stream and bookkeeping).
+    stream is a task waiting for its next output in ``async for``. Reports the
+    resident-memory growth of this process divided by the number of streams (task,
+    stream and bookkeeping).
     """
     await client.pause_scheduler("keep")
     all_open = trio.Event()
@@ -316,7 +317,8 @@ async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[
             opened += 1
             if opened == streams:
                 all_open.set()
-            await outputs.receive()
+            async for _ in outputs:  # how streams are read (the guides, the tutorials)
+                break
 
     gc.collect()
     before = rss_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -60,6 +61,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
     return value
 
 
@@ -161,6 +173,16 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         metavar="S",
         help="how long to wait for the client's handshake reply (default: 300)",
+    )
+    where.add_argument(
+        "--rejoin-timeout-s",
+        type=_non_negative_seconds,
+        default=300.0,
+        metavar="S",
+        help="--headless: when the frontend leaves (its connection closes), drop its "
+        "requests and join the next frontend at the handshake address, waiting up to S "
+        "seconds for one, then exit with code 4; 0: exit when the frontend leaves "
+        "(default: 300)",
     )
     security = serve.add_argument_group("authentication (CURVE, on tcp:// connections)")
     security.add_argument(
@@ -464,6 +486,7 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         handshake_address=args.handshake_address,
         headless=args.headless,
         handshake_timeout_s=args.handshake_timeout_s,
+        rejoin_timeout_s=args.rejoin_timeout_s,
         exit_with_parent=args.exit_with_parent,
         lifeline_fd=args.lifeline_fd,
         curve=curve,

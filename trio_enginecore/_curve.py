@@ -17,7 +17,7 @@ import collections
 import errno
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set as AbstractSet
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,6 +37,7 @@ __all__ = [
     "CurveServer",
     "check_key_pair_name",
     "load_public_key",
+    "local_engine_keys",
     "run_zap_handler",
     "write_key_pair",
 ]
@@ -287,14 +288,15 @@ class CurveRefusals:
 
 async def run_zap_handler(
     ctx: zmq.Context[Any],
-    allowed: frozenset[bytes],
+    allowed: AbstractSet[bytes],
     on_refusal: Callable[[CurveRefusal], None],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer ZeroMQ's authentication requests for ``ctx`` until cancelled.
 
-    Admits CURVE connections whose public key is in ``allowed``; refuses everything
+    Admits CURVE connections whose public key is in ``allowed`` (read at each
+    request: keys added to a mutable set are admitted from then on); refuses everything
     else (other mechanisms included) and reports each refusal to ``on_refusal``. Reports
     started once bound: CURVE server sockets must be bound after that, or libzmq admits
     their peers unchecked.
@@ -312,7 +314,7 @@ async def run_zap_handler(
 
 
 def _answer(
-    frames: list[bytes], allowed: frozenset[bytes], on_refusal: Callable[[CurveRefusal], None]
+    frames: list[bytes], allowed: AbstractSet[bytes], on_refusal: Callable[[CurveRefusal], None]
 ) -> list[bytes]:
     """The ZAP reply (RFC 27) to one request (pure)."""
     if len(frames) < 6 or frames[0] != _ZAP_VERSION:
@@ -331,3 +333,14 @@ def _answer(
         on_refusal(CurveRefusal(peer, key.decode("ascii"), reason))
         return [_ZAP_VERSION, request_id, b"400", reason.encode(), b"", b""]
     return [_ZAP_VERSION, request_id, b"200", b"OK", key, b""]
+
+
+def local_engine_keys(directory: str, curve: CurveServer) -> tuple[bytes, list[str]]:
+    """A key pair for the engines a client launches beside CURVE-authenticated remote
+    ones, its secret written in ``directory``: the public key to admit, and the
+    engines' command-line arguments."""
+    public, secret = write_key_pair(directory, "local-engines")
+    server_key = curve.keys.public.decode("ascii")
+    # "=": a Z85 key may start with "-", which argparse would take for an option.
+    arguments = ["--curve-secret-key", str(secret), f"--curve-server-key={server_key}"]
+    return load_public_key(public), arguments

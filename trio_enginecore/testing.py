@@ -292,8 +292,7 @@ class FakeTransport:
                     )
                     link.state.handle_outputs(EngineCoreOutputs(outputs=[output]))
         finally:
-            self._plays.pop(request.request_id, None)
-            self.playing -= 1
+            self._forget(request.request_id, scope)
 
     def send_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         _, link = self._started()
@@ -302,6 +301,14 @@ class FakeTransport:
             scope = self._plays.get(request_id)
             if scope is not None:
                 scope.cancel()
+                # Forgotten now, as an engine forgets a request when it reads the
+                # ABORT: a call right after this one must not count it.
+                self._forget(request_id, scope)
+
+    def _forget(self, request_id: str, scope: trio.CancelScope) -> None:
+        if self._plays.get(request_id) is scope:
+            del self._plays[request_id]
+            self.playing -= 1
 
     def send_utility(self, engine: EngineHandle, call: UtilityRequest) -> None:
         nursery, link = self._started()
@@ -328,6 +335,11 @@ class FakeTransport:
             scope.cancel()
         if self._link is not None:
             self._link.engine_died(self._link.state.engines[0], reason)
+
+    @property
+    def restarts_engines(self) -> bool:
+        """Never: the scripted engine is not a process."""
+        return False
 
     def engine_death_recorded(self, engine: EngineHandle) -> None:
         """Nothing more to stop: :meth:`die` stopped every play."""

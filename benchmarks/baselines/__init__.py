@@ -4,6 +4,10 @@
   0.33's ``AsyncMPClient`` is (``zmq.asyncio``, a background receive task, an
   unbounded ``asyncio.Queue``), using our codec so that only the concurrency design
   differs.
+* :mod:`benchmarks.baselines.asyncio_stream`: per-request streams on that client,
+  served the way vLLM's ``AsyncLLM`` serves them (one output-handler task, a
+  per-request collector merging unread outputs and waking the request's own task
+  through an ``asyncio.Event``): the baseline the Trio streams are compared with.
 * :mod:`benchmarks.baselines.blocking`: blocking pyzmq with the same decoding and
   dispatch and no event loop at all: the practical limit for one Python thread.
 """

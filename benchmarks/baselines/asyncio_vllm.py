@@ -222,30 +222,48 @@ def _process_utility_output(
 
 
 class RequestOutputCollector:
-    """A per-request slot in the style of vLLM's ``RequestOutputCollector``.
+    """A per-request slot as vLLM 0.33's ``RequestOutputCollector`` (delta mode).
 
-    The dispatcher :meth:`put`\\ s outputs without waiting (they accumulate in the
-    slot); the request's task takes everything pending with :meth:`get`.
+    The dispatcher :meth:`put`\\ s outputs without waiting: the first wakes the reader
+    through an ``asyncio.Event``, later ones are merged into it until the reader takes
+    it (token ids appended, the newest finish and stop reasons kept), as
+    ``RequestOutput.add(aggregate=True)`` merges; an exception replaces what is
+    pending. The request's task takes what is pending with :meth:`get` or
+    :meth:`get_nowait`.
     """
 
     __slots__ = ("output", "ready")
 
     def __init__(self) -> None:
-        self.output: list[EngineCoreOutput] | None = None
+        self.output: EngineCoreOutput | Exception | None = None
         self.ready = asyncio.Event()
 
-    def put(self, output: EngineCoreOutput) -> None:
-        if self.output is None:
-            self.output = [output]
+    def put(self, output: EngineCoreOutput | Exception) -> None:
+        pending = self.output
+        if pending is None or isinstance(output, Exception):
+            self.output = output
             self.ready.set()
-        else:
-            self.output.append(output)
+        elif isinstance(pending, EngineCoreOutput):
+            pending.new_token_ids.extend(output.new_token_ids)
+            pending.finish_reason = output.finish_reason
+            pending.stop_reason = output.stop_reason
 
-    async def get(self) -> list[EngineCoreOutput]:
+    async def get(self) -> EngineCoreOutput:
         while (output := self.output) is None:
             await self.ready.wait()
         self.output = None
         self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+    def get_nowait(self) -> EngineCoreOutput | None:
+        output = self.output
+        if output is not None:
+            self.output = None
+            self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
         return output
 
 
@@ -395,7 +413,7 @@ async def measure_idle_streams(client: AsyncMPClient, *, streams: int) -> dict[s
                 all_open.set()
             finished = False
             while not finished:
-                finished = any(o.finish_reason is not None for o in await collector.get())
+                finished = (await collector.get()).finish_reason is not None
         finally:
             del collectors[request_id]
 

@@ -242,8 +242,18 @@ async def http_server(client: TrioMPClient, port: int) -> AsyncIterator[str]:
             stop.set()
 
 
-async def serve_until_stopped(port: int) -> None:
-    async with open_engine_client(ENGINE) as client, http_server(client, port) as url:
+async def serve_until_stopped(port: int, *, on_death: str = "answer-503") -> None:
+    # What the server does when its engine dies: keep answering 503 until stopped (the
+    # default), stop at once (the client cancels this block's body), or have the
+    # client restart the engine and serve on.
+    async with (
+        open_engine_client(
+            ENGINE,
+            cancel_on_failure=on_death == "stop",
+            on_engine_failure="restart" if on_death == "restart" else "fail",
+        ) as client,
+        http_server(client, port) as url,
+    ):
         print(f"serving on {url} (engine pid {client.engine_pids[0]}); Ctrl-C stops it")
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
@@ -340,9 +350,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", action="store_true", help="serve until Ctrl-C")
     parser.add_argument("--port", type=int, default=0, help="default: any free port")
+    parser.add_argument(
+        "--on-engine-death",
+        choices=["answer-503", "stop", "restart"],
+        default="answer-503",
+        help="with --serve: what to do when the engine dies (default: answer-503)",
+    )
     args = parser.parse_args()
     try:
-        trio.run(serve_until_stopped if args.serve else demo, args.port)
+        if args.serve:
+            trio.run(partial(serve_until_stopped, args.port, on_death=args.on_engine_death))
+        else:
+            trio.run(demo, args.port)
     except EngineDeadError as exc:
         # The block did not raise, but the engine died while it ran: reported here.
         print(f"leaving the engine client's block raised EngineDeadError: {exc}")

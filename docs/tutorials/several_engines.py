@@ -9,15 +9,14 @@ import tempfile
 import trio
 
 from trio_enginecore import (
-    CurveServer,
     EngineConfig,
     EngineCoreRequest,
     RemoteEngines,
     open_coordinator,
     open_engine_client,
-    write_key_pair,
 )
 from trio_enginecore.client import DPTrioMPClient
+from trio_enginecore.curve import CurveServer, write_key_pair
 
 
 async def one_client_three_engines() -> None:

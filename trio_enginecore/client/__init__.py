@@ -24,6 +24,8 @@ from ._inproc import (
 from ._interface import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,
     ClientStatistics as ClientStatistics,
+    EngineState as EngineState,
+    EngineStatus as EngineStatus,
 )
 from ._launch import EngineHandle as EngineHandle
 from ._lb import (
@@ -39,8 +41,16 @@ from ._mp import (
     TrioMPClient as TrioMPClient,
     connect_engine_client as connect_engine_client,
 )
-from ._options import ClientOptions as ClientOptions
-from ._remote import Liveness as Liveness, RemoteEngines as RemoteEngines
+from ._options import ClientOptions as ClientOptions, FailurePolicy as FailurePolicy
+from ._ray import open_ray_engine_client as open_ray_engine_client
+from ._ray_engines import PlacementStrategy as PlacementStrategy, RayEngines as RayEngines
+from ._remote import (
+    EngineRestarter as EngineRestarter,
+    Liveness as Liveness,
+    RemoteEngines as RemoteEngines,
+    RestartedEngine as RestartedEngine,
+)
+from ._restart import Restart as Restart
 from ._running import run_client as run_client
 from ._stream import RequestStream as RequestStream
 from ._sync import EngineCoreClient as EngineCoreClient, SyncMPClient as SyncMPClient

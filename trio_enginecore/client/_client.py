@@ -16,26 +16,25 @@ transport and the routing.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Iterable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Iterable
+from contextlib import AbstractAsyncContextManager, suppress
 from typing import Any
 
 import trio
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError, UtilityCallError
-from ..protocol import (
-    EngineCoreOutputs,
-    EngineCoreReadyResponse,
-    EngineCoreRequest,
-    UtilityRequest,
-)
+from ..protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
+from ._calls import call_engines
 from ._interface import AsyncEngineCoreClient, ClientStatistics
 from ._launch import EngineHandle
 from ._lb import LoadBalancer
+from ._options import FailurePolicy
+from ._restart import RESTART_NEEDS_LAUNCHED_ENGINES, Restart
 from ._router import DataParallelRole, Router, WaveFollower
-from ._state import ClientState, UtilityCall
-from ._stream import RequestStream, StreamFeed, open_request_stream
+from ._state import ClientState
+from ._stream import RequestStream, StreamBlock, StreamFeed
+from ._supervision import wait_for_service
 from ._transport import ClientLink, Transport
 from ._validate import check_request, check_requests
 
@@ -62,6 +61,13 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         client_index: this client's index among the engines' clients.
         max_pending_outputs: messages kept for ``get_output()`` before they are
             merged (never dropped).
+        on_engine_failure: what an engine's death does (see
+            :func:`~trio_enginecore.open_engine_client`): fail the client, take that
+            engine out of routing and serve on with the others, or also restart it.
+
+    Raises:
+        ValueError: the ``restart`` policy over a transport that cannot restart
+            engines (it did not launch them all).
     """
 
     def __init__(
@@ -72,13 +78,24 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         role: DataParallelRole | None = None,
         client_index: int = 0,
         max_pending_outputs: int = 64,
+        on_engine_failure: FailurePolicy = "fail",
     ) -> None:
         self.config = config
         self.client_index = client_index
         role = role if role is not None else DataParallelRole.single(config)
         self.role = role
         self._transport = transport
-        self._state = ClientState([], transport.send_abort, max_pending_outputs=max_pending_outputs)
+        restart = Restart() if on_engine_failure == "restart" else on_engine_failure
+        if isinstance(restart, Restart) and not transport.restarts_engines:
+            raise ValueError(RESTART_NEEDS_LAUNCHED_ENGINES)
+        self._restart = restart if isinstance(restart, Restart) else None
+        self._state = ClientState(
+            [],
+            transport.send_abort,
+            max_pending_outputs=max_pending_outputs,
+            route_around=on_engine_failure == "route_around",
+            restarts=self._restart is not None,
+        )
         # Both share the state's engine list, which the transport fills in place.
         self._router = Router(self._state.engines, role.load_balancer)
         self._waves = WaveFollower(stamps=role.data_parallel)
@@ -99,7 +116,16 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             raise RuntimeError("the engine client was already started")
         self._started = True
         await self._transport.start(
-            nursery, ClientLink(self._state, self._engine_died, self._waves, self._ping)
+            nursery,
+            ClientLink(
+                self._state,
+                self._engine_died,
+                self._waves,
+                self._ping,
+                self._engine_back,
+                self._engine_given_up,
+                self._state.requests_lost,
+            ),
         )
 
     async def aclose(self) -> None:
@@ -246,7 +272,11 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         state = self._state
         state.raise_if_unusable()
         batch = list(requests)
+        await self._wait_for_an_engine()
         check_requests(batch, state.ids_in_flight)
+        router = self._router
+        for request in batch:
+            router.check(request)
         for request in batch:
             self._add_now(request, stream=None)
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -298,8 +328,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
 
     # --------------------------------------------------------------- streams
 
-    @asynccontextmanager
-    async def stream(self, request: EngineCoreRequest) -> AsyncGenerator[RequestStream, None]:
+    def stream(self, request: EngineCoreRequest) -> AbstractAsyncContextManager[RequestStream]:
         """Send ``request`` and stream its outputs.
 
         ::
@@ -324,13 +353,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             EngineDeadError: the engine has died (on entry, or from the stream).
         """
         state = self._state
-        feed, stream = open_request_stream(request.request_id, on_close=state.stream_closed)
-        await self._send_add(request, stream=feed)
-        state.open_streams += 1
-        try:
-            yield stream
-        finally:
-            state.stream_left(feed)
+        return StreamBlock(request, self._send_stream, state.stream_closed, state.stream_left)
 
     # ------------------------------------------------------------- utilities
 
@@ -349,16 +372,19 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             UtilityCallError: the method raised on the engine; carries its message.
             EngineDeadError: the engine died before replying.
         """
+        await self._wait_for_an_engine()
         (result,) = await self._call_engines([self._router.utility_engine()], method, args)
         return result
 
     async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every engine; one result per engine, by rank.
+        """Call ``method(*args)`` on every engine in service; one result per engine,
+        by rank (engines a ``route_around`` client took out of service are skipped).
 
         Cancellation and errors as :meth:`call_utility` (the first engine failure is
         raised, naming the engine).
         """
-        return await self._call_engines(self._state.engines, method, args)
+        await self._wait_for_an_engine()
+        return await self._call_engines(self._router.live, method, args)
 
     async def _call_engines(
         self,
@@ -370,43 +396,35 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
     ) -> list[Any]:
         await trio.lowlevel.checkpoint_if_cancelled()
         state = self._state
-        state.raise_if_unusable()
-        calls: list[tuple[int, UtilityCall]] = []
-        try:
-            for engine in engines:
-                call_id, call = state.new_call(method, internal=internal)
-                calls.append((call_id, call))
-                payload = UtilityRequest(self.client_index, call_id, method, tuple(args))
-                self._transport.send_utility(engine, payload)
-            for _, call in calls:
-                await call.done.wait()
-        finally:
-            for call_id, _ in calls:
-                if not state.end_call(call_id):
-                    logger.debug(
-                        "utility call %s (%d) abandoned; a late reply is dropped", method, call_id
-                    )
-        results: list[Any] = []
-        for engine, (_, call) in zip(engines, calls, strict=True):
-            if call.failure is not None:
-                raise EngineDeadError(call.failure)
-            reply = call.reply
-            assert reply is not None
-            if reply.failure_message is not None:
-                rank = engine.rank if len(engines) > 1 else None
-                raise UtilityCallError(method, reply.failure_message, rank=rank)
-            results.append(reply.result.result if reply.result is not None else None)
-        return results
+        if not internal or state.closing:
+            # The client's own checks go on after it failed: under "fail" the other
+            # engines' streams keep streaming, and one that hangs must be noticed.
+            state.raise_if_unusable()
+        return await call_engines(
+            state.calls,
+            self._transport.send_utility,
+            self.client_index,
+            engines,
+            method,
+            args,
+            internal=internal,
+        )
 
     # -------------------------------------------------------------- internals
+
+    async def _send_stream(self, request: EngineCoreRequest, feed: StreamFeed) -> None:
+        await self._send_add(request, stream=feed)
+        self._state.open_streams += 1
 
     async def _send_add(self, request: EngineCoreRequest, *, stream: StreamFeed | None) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         check_request(request)
         state = self._state
         state.raise_if_unusable()
+        await self._wait_for_an_engine()
         if request.request_id in state.ids_in_flight:
             raise ValueError(f"request {request.request_id!r} is already in flight on this client")
+        self._router.check(request)
         self._add_now(request, stream=stream)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
@@ -424,9 +442,26 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             raise
 
     def _engine_died(self, engine: EngineHandle, reason: str) -> None:
-        if self._state.engine_died(engine, reason):
-            self._waves.announce()  # wakes wave waiters, who then raise
+        state = self._state
+        if state.engine_died(engine, reason):
+            self._router.take_out(engine)
+            if state.failure is not None:
+                self._waves.announce()  # wakes wave waiters, who then raise
             self._transport.engine_death_recorded(engine)
+
+    async def _wait_for_an_engine(self) -> None:
+        if self._restart is not None and not self._router.live:
+            await wait_for_service(self._router, self._state, self._restart.wait_s)
+
+    def _engine_back(self, engine: EngineHandle) -> None:
+        self._state.engine_back(engine)
+        self._router.put_back(engine)
+
+    def _engine_given_up(self, engine: EngineHandle, reason: str) -> None:
+        state = self._state
+        state.engine_given_up(engine, reason)
+        if state.failure is not None:
+            self._waves.announce()
 
     async def _ping(self, engine: EngineHandle) -> None:
         """One utility round trip to ``engine``: any answer, a failure included."""

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import enum
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Literal, overload
+from typing import Any, Literal, Unpack, overload
 
-from .._listeners import ListenerFd
+import attrs
+
 from ..config import EngineConfig
-from ..coordinator import CoordinatorAddresses
 from ._client import TrioEngineClient
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
-from ._lb import LoadBalancer
 from ._mp import TrioMPClient, open_trio_mp_client
-from ._remote import DEFAULT_LIVENESS, Liveness, RemoteEngines
+from ._options import ClientOptionKeywords, ClientOptions, InprocOptionKeywords, options_from
 from ._sync import EngineCoreClient, SyncMPClient
 from ._topology import EXTERNAL_LB_NEEDS_COORDINATOR
 
@@ -66,75 +65,43 @@ def select_client_kind(config: EngineConfig, *, multiprocess: bool, blocking: bo
 @overload
 def open_engine_client(
     config: EngineConfig | None = None,
+    options: ClientOptions | None = None,
     *,
     multiprocess: Literal[True] = True,
-    input_address: str | ListenerFd | None = None,
-    output_address: str | ListenerFd | None = None,
-    ready_timeout_s: float = 60.0,
-    shutdown_timeout_s: float = 5.0,
-    max_pending_outputs: int = 64,
-    client_index: int = 0,
-    coordinator: CoordinatorAddresses | None = None,
-    load_balancer: LoadBalancer | None = None,
-    remote: RemoteEngines | None = None,
-    liveness: Liveness | None = DEFAULT_LIVENESS,
     cancel_on_failure: bool = False,
+    **keywords: Unpack[ClientOptionKeywords],
 ) -> AbstractAsyncContextManager[TrioMPClient]: ...
 
 
 @overload
 def open_engine_client(
     config: EngineConfig | None = None,
+    options: None = None,
     *,
     multiprocess: Literal[False],
-    input_address: None = None,
-    output_address: None = None,
-    ready_timeout_s: float = 60.0,
-    shutdown_timeout_s: float = 5.0,
-    max_pending_outputs: int = 64,
-    client_index: int = 0,
-    coordinator: None = None,
-    load_balancer: None = None,
-    remote: None = None,
-    liveness: Liveness | None = DEFAULT_LIVENESS,
     cancel_on_failure: bool = False,
+    **keywords: Unpack[InprocOptionKeywords],
 ) -> AbstractAsyncContextManager[TrioInprocClient]: ...
 
 
 @overload
 def open_engine_client(
     config: EngineConfig | None = None,
+    options: ClientOptions | None = None,
     *,
     multiprocess: bool,
-    input_address: str | ListenerFd | None = None,
-    output_address: str | ListenerFd | None = None,
-    ready_timeout_s: float = 60.0,
-    shutdown_timeout_s: float = 5.0,
-    max_pending_outputs: int = 64,
-    client_index: int = 0,
-    coordinator: CoordinatorAddresses | None = None,
-    load_balancer: LoadBalancer | None = None,
-    remote: RemoteEngines | None = None,
-    liveness: Liveness | None = DEFAULT_LIVENESS,
     cancel_on_failure: bool = False,
+    **keywords: Unpack[ClientOptionKeywords],
 ) -> AbstractAsyncContextManager[TrioEngineClient]: ...
 
 
 def open_engine_client(
     config: EngineConfig | None = None,
+    options: ClientOptions | None = None,
     *,
     multiprocess: bool = True,
-    input_address: str | ListenerFd | None = None,
-    output_address: str | ListenerFd | None = None,
-    ready_timeout_s: float = 60.0,
-    shutdown_timeout_s: float = 5.0,
-    max_pending_outputs: int = 64,
-    client_index: int = 0,
-    coordinator: CoordinatorAddresses | None = None,
-    load_balancer: LoadBalancer | None = None,
-    remote: RemoteEngines | None = None,
-    liveness: Liveness | None = DEFAULT_LIVENESS,
     cancel_on_failure: bool = False,
+    **keywords: Unpack[ClientOptionKeywords],
 ) -> AbstractAsyncContextManager[TrioEngineClient]:
     """Open a Trio engine client: ``async with open_engine_client(config) as client:``.
 
@@ -157,9 +124,17 @@ def open_engine_client(
     The block's own exception (or ``Cancelled``) propagates unchanged; if an engine died
     meanwhile and the block did not raise, it raises one ``EngineDeadError``.
 
+    The client's options come as one :class:`~trio_enginecore.client.ClientOptions`
+    (``options``) or as its fields given as keywords, never both:
+
     Args:
         config: the engine configuration (default: ``EngineConfig()``).
+        options: the client's options, bundled (default: the keywords below).
         multiprocess: run the engine in its own process (True) or in this one.
+        cancel_on_failure: cancel the block's body when the client fails (an
+            engine died), so that a server running in it stops; the block then
+            raises the one ``EngineDeadError``. Without it, the body learns of the
+            failure from its calls, or from ``await client.wait_failed()``.
         input_address: attach mode: the address to bind the request ROUTER on, or a
             :class:`~trio_enginecore.ListenerFd`: a listening socket bound by another
             process, which the client adopts (and then owns) instead of binding.
@@ -186,10 +161,27 @@ def open_engine_client(
             and a hang of a launched engine, or a ``kill -9`` or a hang of an
             attached one, goes unnoticed. Remote engines have their own, on
             :class:`~trio_enginecore.RemoteEngines`.
-        cancel_on_failure: cancel the block's body when the client fails (an
-            engine died), so that a server running in it stops; the block then
-            raises the one ``EngineDeadError``. Without it, the body learns of the
-            failure from its calls, or from ``await client.wait_failed()``.
+        on_engine_failure: what one engine's death does to a client with several
+            (a launched engine's exit, a failed liveness check, ``ENGINE_CORE_DEAD``).
+            ``"fail"`` (the default, as vLLM): the client fails; its requests on the
+            other engines keep streaming until the block ends, which raises one
+            ``EngineDeadError``. ``"route_around"``: the engine is taken out of
+            routing. Its requests fail, naming it (a stream raises
+            ``EngineDeadError``; a request of ``add_request`` ends with a local
+            ``FinishReason.ERROR`` output whose ``error.code`` is ``"engine_dead"``);
+            so do the utility calls it owed. Every other request, stream and call
+            goes on untouched, new requests go to the engines left (one naming the
+            dead rank raises ``EngineDeadError``), ``call_utility_all`` and the typed
+            utilities ask those, and the client fails only when no engine is left.
+            ``"restart"`` (or a :class:`~trio_enginecore.client.Restart` with its
+            settings; for engines this client launched, and remote ones with a
+            :class:`~trio_enginecore.client.EngineRestarter`, Ray's included): as
+            ``"route_around"``, and the engine is started again after a back-off,
+            handshaken, and put
+            back into routing once ready; while no engine is in service new
+            requests and utility calls wait for one (bounded); an engine that
+            needs too many restarts in a window is given up.
+            ``statistics().engines`` shows each engine's state and restarts.
 
     Raises:
         EngineStartupError: an engine failed to start or was not ready in time; the
@@ -198,38 +190,43 @@ def open_engine_client(
             not be bound, or a ``ListenerFd`` is not a listening stream socket.
         NotImplementedError: a configuration whose client is not available yet
             (see :func:`~trio_enginecore.client.select_client_kind`).
-        ValueError: attach addresses with ``multiprocess=False``; external load
-            balancing without ``coordinator``.
+        ValueError: an option only multiprocess clients have (addresses, remote
+            engines, a coordinator, a load balancer, timeouts, liveness) with
+            ``multiprocess=False``; external load balancing without ``coordinator``;
+            a timeout that is not a positive number.
+        TypeError: both ``options`` and keywords.
     """
     config = config if config is not None else EngineConfig()
     kind = select_client_kind(config, multiprocess=multiprocess, blocking=False)
+    options = options_from(options, keywords)
     if kind is ClientKind.TRIO_INPROC:
-        if input_address is not None or output_address is not None:
-            raise ValueError("an in-process client cannot attach to engines at addresses")
-        if coordinator is not None or load_balancer is not None or remote is not None:
-            raise ValueError("coordinator, load_balancer and remote are for multiprocess clients")
+        inproc = ClientOptions(
+            max_pending_outputs=options.max_pending_outputs, client_index=options.client_index
+        )
+        if options != inproc:
+            raise ValueError(
+                "an in-process client takes only max_pending_outputs and client_index; "
+                f"got {_changed(options)}"
+            )
         return open_trio_inproc_client(
             config,
-            max_pending_outputs=max_pending_outputs,
-            client_index=client_index,
+            max_pending_outputs=options.max_pending_outputs,
+            client_index=options.client_index,
             cancel_on_failure=cancel_on_failure,
         )
-    if kind is ClientKind.DP_TRIO_MP and coordinator is None:
+    if kind is ClientKind.DP_TRIO_MP and options.coordinator is None:
         raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
-    return open_trio_mp_client(
-        config,
-        input_address=input_address,
-        output_address=output_address,
-        ready_timeout_s=ready_timeout_s,
-        shutdown_timeout_s=shutdown_timeout_s,
-        max_pending_outputs=max_pending_outputs,
-        client_index=client_index,
-        coordinator=coordinator,
-        load_balancer=load_balancer,
-        remote=remote,
-        liveness=liveness,
-        cancel_on_failure=cancel_on_failure,
-    )
+    return open_trio_mp_client(config, options, cancel_on_failure=cancel_on_failure)
+
+
+def _changed(options: ClientOptions) -> list[str]:
+    """The options set to something other than their defaults."""
+    defaults = ClientOptions()
+    return [
+        field.name
+        for field in attrs.fields(ClientOptions)
+        if getattr(options, field.name) != getattr(defaults, field.name)
+    ]
 
 
 def make_client(

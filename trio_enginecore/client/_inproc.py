@@ -71,6 +71,11 @@ class InprocTransport:
         nursery.start_soon(self._engine_loop, link)
         await trio.lowlevel.checkpoint()
 
+    @property
+    def restarts_engines(self) -> bool:
+        """Never: the engine is a task of the client, not a process to launch."""
+        return False
+
     def engine_death_recorded(self, engine: EngineHandle) -> None:
         """Nothing to do: the engine task has ended already."""
 

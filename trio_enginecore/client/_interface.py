@@ -18,11 +18,43 @@ from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest
 from ._stream import RequestStream
 from ._utilities import UTILITIES, UtilitySpec, combine, convert_each, convert_result
 
-__all__ = ["AsyncEngineCoreClient", "ClientStatistics", "PauseMode", "convert_result"]
+__all__ = [
+    "AsyncEngineCoreClient",
+    "ClientStatistics",
+    "EngineState",
+    "EngineStatus",
+    "PauseMode",
+    "convert_result",
+]
 
 R = TypeVar("R")
 
 PauseMode = Literal["abort", "wait", "keep"]
+
+
+EngineState = Literal["alive", "restarting", "dead"]
+"""Where an engine stands: ``"alive"`` (serving, or still starting), ``"restarting"``
+(it died and is being launched again: the ``restart`` policy), ``"dead"`` (died, or
+stopped answering, and taken out of routing; or shut down with its client)."""
+
+
+@final
+@attrs.frozen
+class EngineStatus:
+    """One engine, as ``statistics().engines`` shows it."""
+
+    rank: int
+    """The engine's data-parallel rank."""
+    state: EngineState
+    in_flight: int
+    """This client's requests in flight on it."""
+    death: str | None = None
+    """Why it died (the message its failed requests carry), or None."""
+    restarts: int = 0
+    """How many times the client restarted it (the ``restart`` policy)."""
+    location: str | None = None
+    """Where it runs, for remote engines (``RemoteEngines.locations``; a restart
+    may move it), else None."""
 
 
 @final
@@ -55,6 +87,8 @@ class ClientStatistics:
     """Outputs dropped because no request of theirs was in flight: late outputs of an
     aborted request (normal), and outputs an engine should not have sent (for an
     unknown id, a second finish, after the finish)."""
+    engines: tuple[EngineStatus, ...] = ()
+    """Each engine's state, by rank."""
 
 
 class AsyncEngineCoreClient(abc.ABC):

@@ -16,6 +16,7 @@ import trio
 
 from ..config import EngineConfig
 from ..protocol import EngineCoreReadyResponse, identity_for_rank
+from ._interface import EngineStatus
 from ._lb import EngineLoad
 
 __all__ = [
@@ -164,8 +165,25 @@ class EngineHandle:
     load: EngineLoad = attrs.field(factory=EngineLoad)
     alive: bool = True
     death: str | None = None
+    restarting: bool = False
+    """Dead, and being launched again (the ``restart`` policy)."""
+    restarts: int = 0
+    """How many times the client has restarted it."""
     lifeline: int | None = None
     """The write end of the engine's lifeline pipe, while the client holds it."""
+    location: str | None = None
+    """Where the engine runs, for an engine started elsewhere (its host, or the Ray
+    actor and node: :attr:`RemoteEngines.locations
+    <trio_enginecore.RemoteEngines.locations>`): part of how every message names the
+    engine (``engine rank 1 (host-b)``)."""
+
+    def prepare_restart(self) -> None:
+        """Forget the process that died, to launch another for the same rank."""
+        self.close_lifeline()
+        self.process = None
+        self.stderr_done = trio.Event()
+        self.ready = None
+        self.stderr_tail.clear()
 
     def close_lifeline(self) -> None:
         """Close the write end of the lifeline pipe (idempotent): a launched engine
@@ -182,7 +200,19 @@ class EngineHandle:
 
     def describe(self) -> str:
         pid = f", pid {self.process.pid}" if self.process is not None else ""
-        return f"engine rank {self.rank}{pid}"
+        where = f" ({self.location})" if self.location is not None else ""
+        return f"engine rank {self.rank}{pid}{where}"
+
+    def status(self) -> EngineStatus:
+        """This engine's line of ``statistics().engines``."""
+        return EngineStatus(
+            self.rank,
+            "alive" if self.alive else "restarting" if self.restarting else "dead",
+            self.load.in_flight,
+            death=self.death,
+            restarts=self.restarts,
+            location=self.location,
+        )
 
     def exit_description(self, *, with_name: bool = True, with_stderr: bool = True) -> str:
         """How the engine's process ended, with its last stderr lines."""

@@ -11,8 +11,10 @@ the lowest score wins, and ties are broken by a start index that rotates on ever
 choice, so equal engines share requests round-robin instead of the first one taking
 everything. Choosing an engine optimistically counts the request as waiting there until
 the next published counts replace the figure (with several clients, each counts for all
-of them: ``client_count``). :class:`PowerOfTwoChoices` samples two engines and keeps the
-better: O(1) per request for large data-parallel sizes.
+of them: ``client_count``); each of this client's requests that finishes or is aborted
+takes one off it until then, so counts published during a burst of load do not outlive
+it. :class:`PowerOfTwoChoices` samples two engines and keeps the better: O(1) per
+request for large data-parallel sizes.
 
 An explicit ``data_parallel_rank`` on a request always wins.
 """
@@ -52,6 +54,19 @@ class EngineLoad:
     kv_usage: float = 0.0
     in_flight: int = 0
     """Requests this client sent there and that have not finished (exact)."""
+
+    def request_left(self) -> None:
+        """One of this client's requests there finished or was aborted.
+
+        It leaves the published counts too, until the engines publish again: counts
+        taken while it ran would otherwise keep it there, and a burst of requests right
+        after a load would all go to the engines that happened to publish last.
+        """
+        self.in_flight -= 1
+        if self.running:
+            self.running -= 1
+        elif self.waiting:
+            self.waiting -= 1
 
 
 def score(load: EngineLoad, client_count: int = 1) -> float:

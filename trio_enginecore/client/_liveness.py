@@ -48,16 +48,26 @@ async def check_liveness(
 ) -> None:
     """Every ``interval_s``, ping ``engine``; report it dead when a ping is not
     answered within ``timeout_s``, and kill it if it is a process of ours (a hung
-    engine holds memory and devices until it goes). Ends when the engine or the
-    client is done."""
+    engine holds memory and devices until it goes). Ends when the engine is dead or
+    the client closes; a client failed by another engine's death keeps watching it,
+    since its streams go on."""
     answered = trio.current_time()
     while True:
         await trio.sleep(interval_s)
         with trio.move_on_after(timeout_s) as unanswered:
             try:
                 await link.ping(engine)
-            except (EngineDeadError, trio.ClosedResourceError):
+            except trio.ClosedResourceError:
                 return
+            except EngineDeadError:
+                if not engine.alive:
+                    return
+                if link.state.failure is not None:
+                    # Failed with the client, unanswered: the engine's streams go on
+                    # (under "fail"), so it is still watched.
+                    continue
+                # The check was failed with the requests of an engine that came back
+                # on its own (a second ready message): it spoke, so it lives.
         if not unanswered.cancelled_caught:
             answered = trio.current_time()
             continue

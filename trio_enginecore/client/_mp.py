@@ -16,14 +16,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from typing import Any, final
+from typing import Unpack, final
 
 import trio
 
 from ..config import EngineConfig
 from ._client import TrioEngineClient
 from ._lb import LeastLoaded
-from ._options import ClientOptions
+from ._options import ClientOptionKeywords, ClientOptions, options_from
+from ._restart import Restart
 from ._router import DataParallelRole
 from ._running import run_client
 from ._zmq_transport import ZmqTransport
@@ -62,6 +63,8 @@ class TrioMPClient(TrioEngineClient):
         options = options if options is not None else ClientOptions()
         role = _role if _role is not None else DataParallelRole.single(config)
         self.options = options
+        policy = options.on_engine_failure
+        restart = Restart() if policy == "restart" else policy
         self.transport = ZmqTransport(
             config,
             role,
@@ -69,6 +72,7 @@ class TrioMPClient(TrioEngineClient):
             output_address=options.output_address,
             remote=options.remote,
             liveness=options.liveness,
+            restart=restart if isinstance(restart, Restart) else None,
             ready_timeout_s=options.ready_timeout_s,
             shutdown_timeout_s=options.shutdown_timeout_s,
         )
@@ -78,6 +82,7 @@ class TrioMPClient(TrioEngineClient):
             role=role,
             client_index=options.client_index,
             max_pending_outputs=options.max_pending_outputs,
+            on_engine_failure=options.on_engine_failure,
         )
 
     @property
@@ -130,16 +135,19 @@ class DPLBTrioMPClient(TrioMPClient):
     both are constructors of :class:`~trio_enginecore.TrioMPClient` with a different
     routing).
 
-    Failure policy: the client fails as a whole. When one engine dies, its in-flight
-    requests fail with ``EngineDeadError`` at once and every later call raises it;
-    requests on the surviving engines keep streaming until the block ends, and the
-    ``async with`` block then raises one ``EngineDeadError``. A death is seen when a
-    launched engine's process exits, when a remote or attached engine stops answering
-    the liveness checks (:class:`~trio_enginecore.RemoteEngines`,
-    :class:`~trio_enginecore.Liveness`), or when an engine sends ``ENGINE_CORE_DEAD``:
-    that frame does not say who sent it, so the client waits up to 2 s (remote and
-    attached engines: a liveness period) for the sender's exit to identify it, and
-    fails every engine only if none is identified.
+    Failure policy (``on_engine_failure``): by default the client fails as a whole.
+    When one engine dies, its in-flight requests fail with ``EngineDeadError`` at
+    once and every later call raises it; requests on the surviving engines keep
+    streaming until the block ends, and the ``async with`` block then raises one
+    ``EngineDeadError``. With ``on_engine_failure="route_around"`` only what depended
+    on the dead engine fails, and the others serve on (see
+    :func:`~trio_enginecore.open_engine_client`). A death is seen when a launched
+    engine's process exits, when an engine stops answering the liveness checks
+    (:class:`~trio_enginecore.Liveness`, :class:`~trio_enginecore.RemoteEngines`),
+    or when an engine sends ``ENGINE_CORE_DEAD``: that frame does not say who sent
+    it, so the client waits up to 2 s (remote and attached engines: a liveness
+    period) for the sender's exit to identify it, and fails every engine only if
+    none is identified.
     """
 
     def __init__(self, config: EngineConfig, options: ClientOptions | None = None) -> None:
@@ -185,12 +193,12 @@ async def open_trio_mp_client(
     options: ClientOptions | None = None,
     *,
     cancel_on_failure: bool = False,
-    **keywords: Any,
+    **keywords: Unpack[ClientOptionKeywords],
 ) -> AsyncGenerator[TrioMPClient, None]:
     """Open a :class:`TrioMPClient`, or with several engines a :class:`DPTrioMPClient`
     or :class:`DPLBTrioMPClient` (see :func:`trio_enginecore.open_engine_client`):
     ``options``, or the :class:`ClientOptions` these keywords make."""
-    client = new_mp_client(config, _options(options, keywords))
+    client = new_mp_client(config, options_from(options, keywords))
     async with run_client(client, cancel_on_failure=cancel_on_failure) as running:
         yield running
 
@@ -199,7 +207,7 @@ async def connect_engine_client(
     nursery: trio.Nursery,
     config: EngineConfig | None = None,
     options: ClientOptions | None = None,
-    **keywords: Any,
+    **keywords: Unpack[ClientOptionKeywords],
 ) -> TrioMPClient:
     """Start a multiprocess client whose background tasks run in ``nursery``.
 
@@ -217,7 +225,7 @@ async def connect_engine_client(
         ValueError, TypeError: bad options; nothing was started.
     """
     client = new_mp_client(
-        config if config is not None else EngineConfig(), _options(options, keywords)
+        config if config is not None else EngineConfig(), options_from(options, keywords)
     )
     try:
         await client.start(nursery)
@@ -225,11 +233,3 @@ async def connect_engine_client(
         await client.aclose()
         raise
     return client
-
-
-def _options(options: ClientOptions | None, keywords: dict[str, Any]) -> ClientOptions:
-    if options is None:
-        return ClientOptions(**keywords)
-    if keywords:
-        raise TypeError(f"give options or keywords, not both (got {sorted(keywords)})")
-    return options

@@ -8,8 +8,7 @@ them) needs only the options.
 
 from __future__ import annotations
 
-import math
-from typing import Any, final
+from typing import Any, Final, Literal, TypedDict, final
 
 import attrs
 
@@ -17,13 +16,35 @@ from .._listeners import ListenerFd
 from ..coordinator import CoordinatorAddresses
 from ._lb import LoadBalancer
 from ._remote import DEFAULT_LIVENESS, Liveness, RemoteEngines
+from ._restart import Restart
+from ._settings_checks import positive_number
 
-__all__ = ["ClientOptions"]
+__all__ = [
+    "FAILURE_POLICIES",
+    "ClientOptionKeywords",
+    "ClientOptions",
+    "FailurePolicy",
+    "InprocOptionKeywords",
+    "options_from",
+]
+
+FailurePolicy = Literal["fail", "route_around", "restart"] | Restart
+"""What a client does when one of its engines dies (see
+:func:`~trio_enginecore.open_engine_client`'s ``on_engine_failure``); ``"restart"`` is
+``Restart()``."""
+
+FAILURE_POLICIES: Final = ("fail", "route_around", "restart")
 
 
-def _positive_seconds(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{attribute.name} must be a positive number, got {value!r}")
+def _failure_policy(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not (isinstance(value, Restart) or value in FAILURE_POLICIES):
+        raise ValueError(
+            f"{attribute.name} must be one of {', '.join(map(repr, FAILURE_POLICIES))} or "
+            f"a Restart(...), got {value!r}"
+        )
+
+
+_positive: Final = positive_number(None)
 
 
 @final
@@ -42,7 +63,47 @@ class ClientOptions:
     liveness: Liveness | None = DEFAULT_LIVENESS
     coordinator: CoordinatorAddresses | None = None
     load_balancer: LoadBalancer | None = None
-    ready_timeout_s: float = attrs.field(default=60.0, validator=_positive_seconds)
-    shutdown_timeout_s: float = attrs.field(default=5.0, validator=_positive_seconds)
+    ready_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    shutdown_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     max_pending_outputs: int = 64
     client_index: int = 0
+    on_engine_failure: FailurePolicy = attrs.field(default="fail", validator=_failure_policy)
+
+
+class ClientOptionKeywords(TypedDict, total=False):
+    """:class:`ClientOptions`' fields as keywords, for the openers' ``**options``
+    (the type checker then knows every name and type; a test keeps both in step)."""
+
+    input_address: str | ListenerFd | None
+    output_address: str | ListenerFd | None
+    remote: RemoteEngines | None
+    liveness: Liveness | None
+    coordinator: CoordinatorAddresses | None
+    load_balancer: LoadBalancer | None
+    ready_timeout_s: float
+    shutdown_timeout_s: float
+    max_pending_outputs: int
+    client_index: int
+    on_engine_failure: FailurePolicy
+
+
+class InprocOptionKeywords(TypedDict, total=False):
+    """The options an in-process client has (the others are about processes and
+    sockets)."""
+
+    max_pending_outputs: int
+    client_index: int
+
+
+def options_from(options: ClientOptions | None, keywords: ClientOptionKeywords) -> ClientOptions:
+    """``options``, or the :class:`ClientOptions` the keywords make (never both).
+
+    Raises:
+        TypeError: both were given, or a keyword is not an option.
+        ValueError: an option's value is out of range.
+    """
+    if options is None:
+        return ClientOptions(**keywords)
+    if keywords:
+        raise TypeError(f"give options or keywords, not both (got {sorted(keywords)})")
+    return options

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import ipaddress
-import math
 import socket
-from collections.abc import Iterable
-from typing import Any, Final
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Final, Protocol, final
 
 import attrs
 
 from .._curve import CurveServer
+from ._settings_checks import positive_number
 
-__all__ = ["Liveness", "RemoteEngines", "connectable"]
+__all__ = ["EngineRestarter", "Liveness", "RemoteEngines", "RestartedEngine", "connectable"]
 
 _ALL_INTERFACES: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
@@ -58,17 +59,12 @@ def _optional_ranks(ranks: Iterable[int] | None) -> frozenset[int] | None:
     return None if ranks is None else frozenset(ranks)
 
 
-def _positive_or_none(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not (
-        isinstance(value, int | float) and math.isfinite(value) and value > 0
-    ):
-        raise ValueError(f"RemoteEngines.{attribute.name} must be a positive number, got {value!r}")
+def _locations(locations: Mapping[int, str]) -> Mapping[int, str]:
+    return MappingProxyType(dict(locations))
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        raise ValueError(f"RemoteEngines.{attribute.name} must be a positive number, got None")
-    _positive_or_none(instance, attribute, value)
+_positive: Final = positive_number("RemoteEngines")
+_positive_or_none: Final = positive_number("RemoteEngines", optional=True)
 
 
 @attrs.frozen
@@ -90,12 +86,59 @@ class Liveness:
     have the same checks, set on :class:`RemoteEngines`.
     """
 
-    interval_s: float = attrs.field(default=0.4, validator=_positive)
-    timeout_s: float = attrs.field(default=1.2, validator=_positive)
+    interval_s: float = attrs.field(default=0.4, validator=positive_number("Liveness"))
+    timeout_s: float = attrs.field(default=1.2, validator=positive_number("Liveness"))
 
 
 DEFAULT_LIVENESS: Final = Liveness()
 """The checks of attached engines unless the caller chooses others (or ``None``)."""
+
+
+@final
+@attrs.frozen(kw_only=True)
+class RestartedEngine:
+    """What an :class:`EngineRestarter` tells the client about the engine it started.
+
+    Attributes:
+        location: where the new engine runs (as ``RemoteEngines.locations``), for the
+            messages naming it; ``None`` keeps the old one.
+        public_key: the new engine's CURVE public key (40 bytes of Z85), for an engine
+            with a key pair of its own made for this start; the client admits it
+            besides ``curve.allowed``. ``None``: its key is admitted already.
+    """
+
+    location: str | None = None
+    public_key: bytes | None = None
+
+
+class EngineRestarter(Protocol):
+    """Starts remote engines again, for the ``restart`` failure policy
+    (``RemoteEngines(restarter=...)``): how a client restarts engines it did not
+    launch, through whatever started them (a cluster manager, a supervisor). The
+    client calls it from its own tasks, for one engine at a time.
+    :class:`~trio_enginecore.client.RayEngines` is one.
+    """
+
+    async def restart_engine(self, rank: int) -> RestartedEngine:
+        """Stop what is left of rank ``rank``'s engine, which the client declared
+        dead (it may still run: hung, say), and start a new one that joins the
+        client's handshake address as the first did; return once it is started.
+        The client then handshakes it and waits, up to its ``ready_timeout_s``,
+        for it to be ready.
+
+        Cancellation: the client is closing; leave nothing the client's own
+        clean-up (or yours) will not remove.
+
+        Raises:
+            Exception: the engine could not be started; the message is logged and
+                the restart is tried again, as the policy allows.
+        """
+        ...
+
+    async def stop_engine(self, rank: int) -> None:
+        """Stop the engine :meth:`restart_engine` started for ``rank``: it was not
+        ready in time. Same cancellation rule."""
+        ...
 
 
 @attrs.frozen
@@ -142,6 +185,15 @@ class RemoteEngines:
             this host, with four more for the group's later collectives, chosen
             when the client starts (rank 0 must then run on this host, or those ports
             be free on its host too).
+        locations: where each rank's engine runs (``{rank: "host-b"}``), for the
+            messages naming an engine: an ``EngineDeadError`` then says which host
+            to look at. :class:`~trio_enginecore.client.RayEngines` fills it with
+            each engine's Ray actor and node.
+        restarter: starts a dead engine again, which lets
+            ``on_engine_failure="restart"`` apply to these engines (see
+            :class:`~trio_enginecore.client.EngineRestarter`); ``None``: the client
+            cannot restart them.
+            :class:`~trio_enginecore.client.RayEngines` passes its own.
     """
 
     handshake_address: str
@@ -154,6 +206,11 @@ class RemoteEngines:
     data_parallel_master_port: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
+    # Compared, not hashed (a mapping is not hashable): equal objects still hash equal.
+    locations: Mapping[int, str] = attrs.field(
+        factory=dict[int, str], converter=_locations, hash=False
+    )
+    restarter: EngineRestarter | None = attrs.field(default=None, hash=False)
 
     def __attrs_post_init__(self) -> None:
         host, _ = _split_tcp(self.handshake_address)

@@ -11,6 +11,9 @@ the same client:
   engine this client owns;
 * balanced: the :class:`~trio_enginecore.client.LoadBalancer` chooses among the
   engines, unless the request names its ``data_parallel_rank``.
+
+An engine taken out of service (it died, and the client routes around it) is never
+chosen again; a request naming its rank is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import trio
 
 from ..config import EngineConfig
 from ..coordinator import CoordinatorAddresses
-from ..errors import ProtocolError
+from ..errors import EngineDeadError, ProtocolError
 from ..protocol import CoordinatorPublication, EngineCoreRequest
 from ._launch import EngineHandle
 from ._lb import LoadBalancer
@@ -81,14 +84,49 @@ class Router:
             request to the first engine (one engine, or the one rank a client owns).
     """
 
-    __slots__ = ("engines", "load_balancer")
+    __slots__ = ("engines", "live", "load_balancer")
 
     def __init__(self, engines: list[EngineHandle], load_balancer: LoadBalancer | None) -> None:
         self.engines = engines
         self.load_balancer = load_balancer
+        self.live = engines
+        """The engines in service: ``engines`` itself until one is taken out."""
+
+    def take_out(self, engine: EngineHandle) -> None:
+        """``engine`` died: route nothing to it any more."""
+        self.live = [e for e in self.engines if e.alive and e is not engine]
+
+    def put_back(self, engine: EngineHandle) -> None:
+        """``engine`` (restarted) is in service again."""
+        live = [e for e in self.engines if e.alive or e is engine]
+        self.live = self.engines if len(live) == len(self.engines) else live
+
+    def check(self, request: EngineCoreRequest) -> None:
+        """Raise what :meth:`engine_for` would raise for ``request``, choosing nothing
+        (so that a batch is checked whole before any of it is sent).
+
+        Raises:
+            ValueError: the request names a ``data_parallel_rank`` out of range.
+            EngineDeadError: it names the rank of an engine out of service.
+        """
+        rank = request.data_parallel_rank
+        if rank is None or self.load_balancer is None:
+            return
+        engines = self.engines
+        if not 0 <= rank < len(engines):
+            raise ValueError(
+                f"data_parallel_rank {rank} is out of range: there are {len(engines)} engines"
+            )
+        engine = engines[rank]
+        if not engine.alive:
+            restarting = " (it is restarting)" if engine.restarting else ""
+            raise EngineDeadError(
+                f"data_parallel_rank {rank} is out of service{restarting}: "
+                f"{engine.describe()} died: {engine.death}"
+            )
 
     def engine_for(self, request: EngineCoreRequest) -> EngineHandle:
-        """The engine ``request`` goes to.
+        """The engine ``request`` goes to (call :meth:`check` first).
 
         Raises:
             ValueError: the request names a ``data_parallel_rank`` out of range.
@@ -97,12 +135,17 @@ class Router:
         balancer = self.load_balancer
         if balancer is None:
             return engines[0]
-        index = balancer.choose([engine.load for engine in engines], request.data_parallel_rank)
-        return engines[index]
+        live = self.live
+        if live is engines or request.data_parallel_rank is not None:
+            index = balancer.choose([engine.load for engine in engines], request.data_parallel_rank)
+            return engines[index]
+        return live[balancer.choose([engine.load for engine in live], None)]
 
     def utility_engine(self) -> EngineHandle:
-        """The engine ``call_utility`` asks: rank 0 (the first), as vLLM's clients do."""
-        return self.engines[0]
+        """The engine ``call_utility`` asks: the first in service (rank 0 while it
+        lives), as vLLM's clients ask rank 0."""
+        live = self.live
+        return live[0] if live else self.engines[0]
 
 
 @final

@@ -22,19 +22,60 @@ import trio
 import zmq
 
 from .._zmq import TrioSocket
+from ..config import EngineConfig
+from ..coordinator import CoordinatorAddresses
 from ..errors import EngineStartupError, ProtocolError
 from ..protocol import (
     EngineCoreReadyResponse,
+    EngineHandshakeMetadata,
+    EngineZmqAddresses,
     HandshakeHello,
     HandshakeMessage,
     HandshakeReady,
 )
 from ..serial import Buffer, MsgpackDecoder
 from ._launch import EngineHandle
+from ._remote import RemoteEngines
 
-__all__ = ["StartupProgress"]
+__all__ = ["StartupProgress", "group_hint", "handshake_metadata"]
 
 logger = logging.getLogger("trio_enginecore.client")
+
+
+def handshake_metadata(
+    config: EngineConfig,
+    remote: RemoteEngines | None,
+    coordinator: CoordinatorAddresses | None,
+    input_address: str,
+    output_address: str,
+) -> EngineHandshakeMetadata:
+    """The client's answer to every HELLO: where to connect, and the group's settings."""
+    group = remote.group_parallel_config(config.data_parallel_size) if remote is not None else {}
+    fields = (
+        {}
+        if coordinator is None
+        else {
+            "coordinator_input": coordinator.engine_publish,
+            "coordinator_output": coordinator.stats,
+            "frontend_stats_publish_address": coordinator.publish,
+        }
+    )
+    return EngineHandshakeMetadata(
+        addresses=EngineZmqAddresses(inputs=[input_address], outputs=[output_address], **fields),
+        parallel_config=group,
+    )
+
+
+def group_hint(config: EngineConfig, remote: RemoteEngines | None) -> str | None:
+    """Why a data-parallel group may not form, for a startup error (None: no group)."""
+    if config.data_parallel_size <= 1:
+        return None
+    if remote is not None and remote.data_parallel_master_ip is None:
+        return (
+            " (vLLM MoE ranks started by separate launchers meet only where the client "
+            "tells them: RemoteEngines(data_parallel_master_ip=...))"
+        )
+    return ""
 
 
 def _handshake_decoder() -> MsgpackDecoder[HandshakeHello | HandshakeReady]:

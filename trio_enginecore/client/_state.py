@@ -19,25 +19,24 @@ import secrets
 from collections.abc import Callable, Iterable
 from typing import Final, final
 
-import attrs
 import msgspec
 import trio
 
 from ..errors import EngineDeadError, ProtocolError
 from ..protocol import (
-    EEP_NOTIFICATION_CALL_ID,
-    FT_STATUS_CALL_ID,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    UtilityOutput,
+    FinishReason,
+    RequestError,
 )
+from ._calls import UtilityCalls
 from ._collector import BatchCollector
 from ._interface import ClientStatistics
 from ._launch import EngineHandle
 from ._stream import StreamFeed
 
-__all__ = ["MAX_TOMBSTONES", "ClientState", "UtilityCall"]
+__all__ = ["MAX_TOMBSTONES", "ClientState"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
@@ -45,22 +44,8 @@ MAX_TOMBSTONES: Final = 10_000
 """How many aborted request ids a client remembers (see ``abort_requests``). By the
 time an id falls out, its engine read the ABORT long ago."""
 
-_NOTIFICATION_CALL_IDS: Final = (EEP_NOTIFICATION_CALL_ID, FT_STATUS_CALL_ID)
 
 SendAbort = Callable[[EngineHandle, list[str]], None]
-
-
-@attrs.define(eq=False)
-class UtilityCall:
-    """One pending utility call: set ``done`` once ``reply`` or ``failure`` is known."""
-
-    method: str
-    internal: bool = False
-    """The client's own call (a liveness check), not counted among the pending calls
-    of ``statistics()``."""
-    done: trio.Event = attrs.field(factory=trio.Event)
-    reply: UtilityOutput | None = None
-    failure: str | None = None
 
 
 @final
@@ -86,6 +71,12 @@ class ClientState:
             are kept here.
         send_abort: delivers an ABORT of wire ids to one engine; never blocks.
         max_pending_outputs: messages kept for ``get_output()`` before merging.
+        route_around: an engine's death fails only what depends on that engine, and
+            the client only when no engine is left (the ``route_around`` and
+            ``restart`` policies); otherwise the first death fails the client
+            (``fail``).
+        restarts: a dead engine is being restarted (``restart``): it counts as one
+            left until :meth:`engine_given_up`.
     """
 
     def __init__(
@@ -94,15 +85,21 @@ class ClientState:
         send_abort: SendAbort,
         *,
         max_pending_outputs: int = 64,
+        route_around: bool = False,
+        restarts: bool = False,
     ) -> None:
         self.engines = engines
+        self.route_around = route_around or restarts
+        self.restarts = restarts
+        self.engine_returned = trio.Event()
+        """Set (and replaced) whenever a restarted engine is back in service."""
         self._send_abort = send_abort
         self.inflight: dict[str, EngineHandle] = {}
         """Wire id -> the engine that has the request."""
         self.streams: dict[str, StreamFeed] = {}
         """Wire id -> the feeding half of the request's stream (streamed requests)."""
         self.open_streams = 0
-        self.calls: dict[int, UtilityCall] = {}
+        self.calls = UtilityCalls()
         self.batches = BatchCollector(max_pending_outputs)
         self.batch_ready = trio.Event()
         """Set (and replaced) whenever ``get_output()`` waiters should look again."""
@@ -133,7 +130,7 @@ class ClientState:
         return ClientStatistics(
             requests_in_flight=len(self.inflight),
             open_streams=self.open_streams,
-            pending_utility_calls=sum(1 for call in self.calls.values() if not call.internal),
+            pending_utility_calls=len(self.calls),
             pending_batches=len(self.batches),
             messages_received=self.messages,
             outputs_received=self.outputs_received,
@@ -141,6 +138,7 @@ class ClientState:
             protocol_errors=self.protocol_errors,
             engines_alive=sum(1 for e in self.engines if e.alive),
             outputs_dropped=self.outputs_dropped,
+            engines=tuple(engine.status() for engine in self.engines),
         )
 
     def raise_if_unusable(self) -> None:
@@ -187,7 +185,7 @@ class ClientState:
         """The request under ``wire_id`` is no longer in flight (finished, or unsent)."""
         engine = self.inflight.pop(wire_id, None)
         if engine is not None:
-            engine.load.in_flight -= 1
+            engine.load.request_left()
         self.streams.pop(wire_id, None)
         user_id = self.user_ids.pop(wire_id, None)
         if user_id is not None:
@@ -273,7 +271,7 @@ class ClientState:
             return
         self.messages += 1
         if message.utility_output is not None:
-            self.resolve_utility(message.utility_output)
+            self.calls.resolve(message.utility_output)
             if not message.outputs:
                 return
         outputs = message.outputs
@@ -290,7 +288,7 @@ class ClientState:
             # All in flight and no id twice: then the intersection keeps every one.
             if len(inflight.keys() & ids) == len(ids):
                 for request_id in [o.request_id for o in outputs if o.finish_reason is not None]:
-                    inflight.pop(request_id).load.in_flight -= 1
+                    inflight.pop(request_id).load.request_left()
                 batch = outputs
         if batch is None:
             batch = self._route_outputs(outputs)
@@ -320,15 +318,17 @@ class ClientState:
         user_ids = self.user_ids
         for output in outputs:
             wire_id = output.request_id
-            if wire_id not in inflight:
+            # A registered stream is in flight (forget() unregisters both at once).
+            stream = streams.get(wire_id)
+            if stream is None and wire_id not in inflight:
                 # Produced before the engine read our ABORT (normal), or an output the
                 # engine should never have sent.
                 self.outputs_dropped += 1
                 continue
-            stream = streams.get(wire_id)
-            user_id = user_ids.get(wire_id)
-            if user_id is not None:
-                output.request_id = user_id
+            if user_ids:
+                user_id = user_ids.get(wire_id)
+                if user_id is not None:
+                    output.request_id = user_id
             finished = output.finish_reason is not None
             if finished:
                 self.forget(wire_id)
@@ -353,43 +353,20 @@ class ClientState:
         self.batch_ready.set()
         self.batch_ready = trio.Event()
 
-    # -------------------------------------------------------------- utilities
-
-    def new_call(self, method: str, *, internal: bool = False) -> tuple[int, UtilityCall]:
-        """Register a utility call under a fresh, unguessable call id (``internal``:
-        the client's own, see :attr:`UtilityCall.internal`)."""
-        while True:
-            call_id = secrets.randbits(64)
-            if call_id not in self.calls:
-                break
-        call = self.calls[call_id] = UtilityCall(method, internal)
-        return call_id, call
-
-    def end_call(self, call_id: int) -> bool:
-        """Unregister a call; False if it had not been answered (a late reply is
-        then dropped)."""
-        call = self.calls.pop(call_id, None)
-        return call is None or call.done.is_set()
-
-    def resolve_utility(self, reply: UtilityOutput) -> None:
-        if reply.call_id in _NOTIFICATION_CALL_IDS:
-            logger.info("engine notification (call id %d): %r", reply.call_id, reply.result)
-            return
-        call = self.calls.get(reply.call_id)
-        if call is None:
-            logger.debug("dropping a late or unknown utility reply (call id %d)", reply.call_id)
-            return
-        call.reply = reply
-        call.done.set()
-
     # ---------------------------------------------------------------- failures
 
     def engine_died(self, engine: EngineHandle, reason: str) -> bool:
         """Record an engine's death and fail every waiter that depends on it.
 
-        Its in-flight requests fail (their streams raise ``EngineDeadError``), every
-        pending utility call fails, ``get_output()`` waiters wake up, and every later
-        call raises. Returns whether this was news (a live engine, the client open).
+        Its in-flight requests fail: their streams raise ``EngineDeadError``, and each
+        of its requests added with ``add_request`` gets a local ``FinishReason.ERROR``
+        output through ``get_output()`` (code ``"engine_dead"``, retryable) unless the
+        client failed as a whole. The client fails (every pending utility call fails,
+        ``get_output()`` waiters wake up, every later call raises) on the first death,
+        or under ``route_around`` when no engine is left (none alive, none
+        restarting); otherwise only the utility calls that engine owed fail, and
+        under ``restart`` the engine is marked restarting. Returns whether this was
+        news (a live engine, the client open).
         """
         if not engine.alive:
             return False
@@ -398,22 +375,88 @@ class ClientState:
         if self.closing:
             return False
         logger.error("%s died: %s", engine.describe(), reason)
-        message = f"{engine.describe()} died: {reason}"
-        if self.failure is None:
-            self.failure = message
+        engine.restarting = self.restarts
+        self._fail_engine(engine, f"{engine.describe()} died: {reason}")
+        return True
+
+    def engine_back(self, engine: EngineHandle) -> None:
+        """A restarted engine is ready: back in service, and waiters for an engine
+        wake up."""
+        engine.alive = True
+        engine.restarting = False
+        engine.death = None
+        engine.restarts += 1
+        engine.load.waiting = engine.load.running = 0
+        logger.warning("%s is back in service (restart %d)", engine.describe(), engine.restarts)
+        self.engine_returned.set()
+        self.engine_returned = trio.Event()
+
+    def engine_given_up(self, engine: EngineHandle, reason: str) -> None:
+        """A restarting engine will not be restarted again: it is dead for good, and
+        the client fails if no engine is left."""
+        if not engine.restarting:
+            return
+        engine.restarting = False
+        engine.death = reason
+        if not self.closing:
+            logger.error("%s: %s", engine.describe(), reason)
+            self._fail_engine(engine, f"{engine.describe()}: {reason}")
+        self.engine_returned.set()  # waiters for an engine look again, and raise
+        self.engine_returned = trio.Event()
+
+    def requests_lost(self, engine: EngineHandle, reason: str) -> None:
+        """A live engine lost this client's requests (it restarted, or reconnected,
+        behind the client's back): fail them, and the calls it owed, as if it had
+        died; the engine stays in service."""
+        if engine.alive and not self.closing:
+            logger.error("%s lost this client's requests: %s", engine.describe(), reason)
+            self._fail_engine(engine, f"{engine.describe()} {reason}", in_service=True)
+
+    def _fail_engine(self, engine: EngineHandle, message: str, *, in_service: bool = False) -> None:
+        """Fail what depends on ``engine``, and the client if nothing is left."""
+        left = [e.rank for e in self.engines if e.alive or e.restarting]
+        # Requests lost by an engine in service fail alone, whatever the policy.
+        whole = not in_service and not (self.route_around and left)
+        if whole and self.failure is None:
+            self.failure = message if not self.route_around else f"no engine is left: {message}"
             self.ended.set()
+        elif not whole and not in_service:
+            serving = [e.rank for e in self.engines if e.alive]
+            what = "restarting" if engine.restarting else "routing around"
+            logger.warning("%s %s; engine(s) %s in service", what, engine.describe(), serving)
+        orphans: list[EngineCoreOutput] = []
+        orphaned_ids: list[str] = []
         for wire_id, owner in list(self.inflight.items()):
             if owner is engine:
                 stream = self.streams.get(wire_id)
+                user_id = self.user_id(wire_id)
+                orphaned_ids.append(wire_id)
+                if not whole:
+                    # A retry under the same id must not meet this request's late
+                    # outputs, should the engine come back (an attached engine cut
+                    # off by the network, say): it is sent under a fresh wire id.
+                    self._bury(user_id)
                 self.forget(wire_id)
                 if stream is not None:
                     stream.fail(message)
-        for call in self.calls.values():
-            if not call.done.is_set():
-                call.failure = message
-                call.done.set()
+                elif not whole:
+                    orphans.append(
+                        EngineCoreOutput(
+                            user_id,
+                            [],
+                            finish_reason=FinishReason.ERROR,
+                            error=RequestError("engine_dead", message, retryable=True),
+                        )
+                    )
+        self.calls.fail(message, engine=None if whole else engine)
+        if orphaned_ids and not whole:
+            # Best effort, for an engine that may still be running; one that is gone
+            # never reads it.
+            self._send_abort(engine, orphaned_ids)
+        if orphans:
+            self.batched_outputs += len(orphans)
+            self.batches.put(EngineCoreOutputs(engine_index=engine.rank, outputs=orphans))
         self.wake_batch_readers()
-        return True
 
     def close(self) -> None:
         """The client is closing: abort what is in flight and wake every waiter."""
@@ -423,7 +466,5 @@ class ClientState:
             self.abort_wire(list(self.inflight))
         for stream in list(self.streams.values()):
             stream.fail("the engine client was closed")
-        for call in self.calls.values():
-            call.failure = "the engine client was closed"
-            call.done.set()
+        self.calls.fail("the engine client was closed")
         self.wake_batch_readers()

@@ -8,6 +8,7 @@ one buffer, which never holds more than one (merged) output.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, final
 
 import msgspec
@@ -18,9 +19,12 @@ from ..protocol import EngineCoreOutput, FinishReason, RequestError
 from ._collector import merge_outputs
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
+    from types import TracebackType
 
-__all__ = ["RequestStream", "StreamFeed", "open_request_stream"]
+    from ..protocol import EngineCoreRequest
+
+__all__ = ["RequestStream", "StreamBlock", "StreamFeed", "open_request_stream"]
 
 
 def open_request_stream(
@@ -44,7 +48,6 @@ class StreamFeed:
 
     __slots__ = (
         "closed",
-        "event",
         "failure",
         "failure_type",
         "finished_delivered",
@@ -55,6 +58,7 @@ class StreamFeed:
         "request_error",
         "request_id",
         "tokens_received",
+        "waiter",
         "wire_id",
     )
 
@@ -72,7 +76,9 @@ class StreamFeed:
         self.failure_type: type[EngineCoreError] = EngineDeadError
         self.request_error: RequestError | None = None
         self.closed = False
-        self.event: trio.Event | None = None
+        self.waiter: trio.lowlevel.Task | None = None
+        """The reader's task while it waits for an output (woken directly: no event
+        object per wait)."""
         self.receiving = False
         self.tokens_received = 0
 
@@ -85,14 +91,18 @@ class StreamFeed:
         """
         if self.finished_received or self.closed:
             return
-        if self.pending is None:
+        pending = self.pending
+        if pending is None:
             self.pending = output
         else:
-            merge_outputs(self.pending, output)
+            merge_outputs(pending, output)
         self.tokens_received += len(output.new_token_ids)
         if output.finish_reason is not None:
             self.finished_received = True
-        self.wake()
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
 
     def fail(self, reason: str, error_type: type[EngineCoreError] = EngineDeadError) -> None:
         """The request cannot go on: its engine died (or sent what cannot be used).
@@ -120,9 +130,14 @@ class StreamFeed:
             self.on_close(self)
 
     def wake(self) -> None:
-        if self.event is not None:
-            self.event.set()
-            self.event = None
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+    def abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self.waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 @final
@@ -180,6 +195,14 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
             trio.ClosedResourceError: the stream was closed.
             trio.BusyResourceError: another task is already receiving on this stream.
         """
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            raise trio.EndOfChannel from None
+
+    async def __anext__(self) -> EngineCoreOutput:
+        # receive() is this, with EndOfChannel for the end: ``async for`` (the common
+        # way to read a stream) then runs one coroutine per output, not two.
         # Every schedule point comes before the take, and nothing can intervene
         # between taking an output and returning it: a cancelled receive has taken
         # nothing. (Waiting is the schedule point when nothing is pending yet.)
@@ -197,11 +220,11 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
                 if feed.request_error is not None:
                     raise self._request_failed()
                 if feed.finished_delivered:
-                    raise trio.EndOfChannel
+                    raise StopAsyncIteration
                 if feed.failure is not None:
                     raise feed.failure_type(feed.failure)
-                event = feed.event = trio.Event()
-                await event.wait()
+                feed.waiter = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(feed.abort_wait)
         finally:
             feed.receiving = False
         output, feed.pending = feed.pending, None
@@ -233,3 +256,53 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
         """
         self._feed.close()
         await trio.lowlevel.checkpoint()
+
+
+@final
+class StreamBlock(AbstractAsyncContextManager[RequestStream]):
+    """``async with client.stream(request) as outputs:``, as a plain object rather than
+    a generator, so that an open stream holds neither a suspended frame nor the
+    request itself (measured: about 1.3 KB less per open stream).
+
+    Args:
+        request: the request to send on entry.
+        send: sends it, registered with the stream's feeding half (the client's one
+            checkpoint; if it raises, nothing was sent).
+        on_close: the feeding half's ``on_close`` (the reading half was closed).
+        on_left: called, synchronously, when the block is left.
+    """
+
+    __slots__ = ("_feed", "_on_close", "_on_left", "_request", "_send")
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        send: Callable[[EngineCoreRequest, StreamFeed], Awaitable[None]],
+        on_close: Callable[[StreamFeed], None],
+        on_left: Callable[[StreamFeed], None],
+    ) -> None:
+        self._request: EngineCoreRequest | None = request
+        self._send = send
+        self._on_close = on_close
+        self._on_left = on_left
+        self._feed: StreamFeed | None = None
+
+    async def __aenter__(self) -> RequestStream:
+        request = self._request
+        if request is None:
+            raise RuntimeError("a client.stream(...) block can be entered only once")
+        feed, stream = open_request_stream(request.request_id, on_close=self._on_close)
+        await self._send(request, feed)
+        self._request = None  # sent: the stream needs it no more
+        self._feed = feed
+        return stream
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            self._on_left(feed)

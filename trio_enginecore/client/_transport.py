@@ -46,6 +46,13 @@ class ClientLink:
     ping: Callable[[EngineHandle], Awaitable[None]]
     """One utility round trip to an engine; raises ``EngineDeadError`` or
     ``trio.ClosedResourceError`` once that is what any call would raise."""
+    engine_back: Callable[[EngineHandle], None]
+    """A restarted engine is ready: put it back in service."""
+    engine_given_up: Callable[[EngineHandle, str], None]
+    """A restarting engine will not be restarted again, for this reason."""
+    requests_lost: Callable[[EngineHandle, str], None]
+    """A live engine lost the client's requests (it sent a second ready message:
+    it restarted, or reconnected, on its own); the reason completes "engine rank N"."""
 
 
 class Transport(Protocol):
@@ -76,9 +83,17 @@ class Transport(Protocol):
         If it raises (or is cancelled), :meth:`aclose` is still called."""
         ...
 
+    @property
+    def restarts_engines(self) -> bool:
+        """Whether it can launch a dead engine again (the ``restart`` policy): it
+        launched every engine itself."""
+        ...
+
     def engine_death_recorded(self, engine: EngineHandle) -> None:
         """The client recorded ``engine``'s death and failed its waiters (a transport
-        may attribute deaths, or stop a startup, on it)."""
+        may attribute deaths, or stop a startup, on it). If ``engine.restarting``,
+        the transport restarts it and reports through ``link.engine_back`` or
+        ``link.engine_given_up``."""
         ...
 
     async def aclose(self) -> None:

@@ -5,9 +5,8 @@ PULL socket brings their messages back. Startup follows the :class:`Topology` de
 when the transport is made: bind, launch (or wait for engines started elsewhere), the
 handshake, the ready messages. Then, in the client's nursery:
 
-* the **receive task** drains the PULL socket in batches, decodes each message once
-  and feeds it to the client's state, with no checkpoint between taking a message
-  off the socket and handing it over, so no message is lost to cancellation;
+* the **receive task** (:mod:`._receive`) feeds the client's state what the PULL
+  socket brings, losing nothing to cancellation;
 * a **coordinator task** (data-parallel clients) follows the coordinator's
   publications: the engines' loads and the request wave (:mod:`._following`);
 * per engine, whatever notices its death (:mod:`._liveness`).
@@ -33,23 +32,18 @@ from .._addresses import bind_address
 from .._curve import (
     CurveRefusal,
     CurveRefusals,
-    CurveServer,
-    load_public_key,
+    local_engine_keys,
     run_zap_handler,
-    write_key_pair,
 )
 from .._listeners import ListenerFd, bind_all
-from .._zmq import Frames, TrioSocket, make_socket
+from .._zmq import TrioSocket, make_socket
 from ..config import EngineConfig
 from ..coordinator import CoordinatorAddresses, serve_coordinator
-from ..errors import EngineCoreError, ProtocolError
+from ..errors import EngineCoreError
 from ..protocol import (
-    ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineHandshakeMetadata,
-    EngineZmqAddresses,
     UtilityRequest,
 )
 from ..serial import Buffer, MsgpackDecoder, MsgpackEncoder
@@ -57,32 +51,22 @@ from ._following import CoordinatorFollower
 from ._ipc_dirs import private_ipc_dir
 from ._launch import EngineHandle, launch_engine, stop_engines
 from ._liveness import DeathAttribution, check_liveness, watch_process
+from ._receive import receive_outputs
 from ._remote import Liveness, RemoteEngines, connectable
+from ._restart import RESTART_NEEDS_LAUNCHED_ENGINES, Restart
 from ._router import DataParallelRole
-from ._startup import StartupProgress
+from ._startup import StartupProgress, group_hint, handshake_metadata
+from ._supervision import EngineSupervisor, ProcessRelaunch, RelaunchByRank, RemoteRelaunch
 from ._topology import CoordinatorSource, Topology, plan_topology
 from ._transport import ClientLink
 
-__all__ = ["ZmqTransport", "local_engine_keys"]
+__all__ = ["ZmqTransport"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
 _ADD: Final = EngineCoreRequestType.ADD.value
 _ABORT: Final = EngineCoreRequestType.ABORT.value
 _UTILITY: Final = EngineCoreRequestType.UTILITY.value
-_MAX_DRAIN_MESSAGES: Final = 256
-_DRAIN_OUTPUTS: Final = 2048
-
-
-def local_engine_keys(directory: str, curve: CurveServer) -> tuple[bytes, list[str]]:
-    """A key pair for the engines a client launches beside CURVE-authenticated remote
-    ones, its secret written in ``directory``: the public key to admit, and the
-    engines' command-line arguments."""
-    public, secret = write_key_pair(directory, "local-engines")
-    server_key = curve.keys.public.decode("ascii")
-    # "=": a Z85 key may start with "-", which argparse would take for an option.
-    arguments = ["--curve-secret-key", str(secret), f"--curve-server-key={server_key}"]
-    return load_public_key(public), arguments
 
 
 @final
@@ -95,6 +79,8 @@ class ZmqTransport:
         input_address, output_address: attach to engines started elsewhere.
         remote: engines that join over TCP from other hosts.
         liveness: the checks of attached engines.
+        restart: restart engines that die (the ``restart`` policy): launched ones,
+            and remote ones with a ``restarter``.
         ready_timeout_s: how long the engines may take to be ready.
         shutdown_timeout_s: how long launched engines may take to exit.
 
@@ -112,10 +98,12 @@ class ZmqTransport:
         output_address: str | ListenerFd | None = None,
         remote: RemoteEngines | None = None,
         liveness: Liveness | None = None,
+        restart: Restart | None = None,
         ready_timeout_s: float = 60.0,
         shutdown_timeout_s: float = 5.0,
     ) -> None:
         self.config = config
+        self.restart = restart
         self.remote = remote
         self.ready_timeout_s = ready_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -126,6 +114,8 @@ class ZmqTransport:
             remote=remote,
             liveness=liveness,
         )
+        if restart is not None and not self.restarts_engines:
+            raise ValueError(RESTART_NEEDS_LAUNCHED_ENGINES)
         self.coordinator: CoordinatorAddresses | None = role.coordinator
         self.refusals = CurveRefusals()
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -140,6 +130,18 @@ class ZmqTransport:
         self._follower: CoordinatorFollower | None = None
         self._startup_scope: trio.CancelScope | None = None
         self._socket_tasks: list[tuple[trio.CancelScope, trio.Event]] = []
+        self._supervisor: EngineSupervisor | None = None
+        self._handshake: TrioSocket | None = None
+        self._admitted: set[bytes] = set()  # the engine keys CURVE admits
+
+    @property
+    def restarts_engines(self) -> bool:
+        """Whether every engine can be started again: launched here, or remote with
+        a restarter."""
+        topology = self.topology
+        if self.remote is not None and self.remote.restarter is not None:
+            return True
+        return bool(topology.launched) and topology.launched == topology.ranks
 
     # ------------------------------------------------------------------ sending
 
@@ -171,6 +173,9 @@ class ZmqTransport:
         self._deaths = DeathAttribution(link, topology.attribution_window_s)
         engines = link.state.engines
         engines[:] = [EngineHandle.for_rank(rank) for rank in topology.ranks]
+        if self.remote is not None:
+            for engine in engines:
+                engine.location = self.remote.locations.get(engine.rank)
         if topology.private_dir:
             self._ipc_dir = private_ipc_dir()
         local_arguments = await self._admit_engines(nursery)
@@ -188,8 +193,10 @@ class ZmqTransport:
             "bound the input ROUTER at %s and the output PULL at %s", bound_input, bound_output
         )
         handshake: TrioSocket | None = None
+        metadata: list[Buffer] = []
         progress = StartupProgress(engines, bound_input, None)
         timeout = trio.CancelScope()
+        ready = False
         try:
             with trio.CancelScope() as scope:
                 self._startup_scope = scope
@@ -203,44 +210,48 @@ class ZmqTransport:
                         )
                         logger.debug("bound the handshake ROUTER at %s", progress.handshake_address)
                         await self._launch(nursery, progress.handshake_address, local_arguments)
-                        await progress.handshake(
-                            handshake, self._handshake_metadata(bound_input, bound_output)
+                        metadata = self._encoder.encode(
+                            handshake_metadata(
+                                self.config,
+                                self.remote,
+                                self.coordinator,
+                                bound_input,
+                                bound_output,
+                            )
                         )
+                        await progress.handshake(handshake, metadata)
                     await progress.wait_ready(self._input)
                     if topology.coordinator is CoordinatorSource.ANNOUNCED:
                         assert self._follower is not None
                         await self._follower.follow_announced(nursery)
                     if handshake is not None:
                         await progress.wait_handshake_ready(handshake)
+                    ready = True
         finally:
             # Whatever ended the startup (success, timeout, an error, or the caller's
-            # cancellation), the handshake socket is not needed any more.
+            # cancellation), the handshake socket is not needed any more, except to
+            # restart engines.
             self._startup_scope = None
             if handshake is not None:
                 progress.note_queued_readies(handshake)
-                handshake.close()
-        if timeout.cancelled_caught or scope.cancelled_caught:
+                if self.restart is not None and ready:
+                    self._handshake = handshake
+                else:
+                    handshake.close()
+        if not ready:
             raise await progress.error(
                 self.ready_timeout_s,
                 timed_out=bool(timeout.cancelled_caught),
                 waits_for_coordinator=self.coordinator is not None,
-                group_hint=self._group_hint(),
+                group_hint=group_hint(self.config, self.remote),
                 refusals=self.refusals.describe() if self.refusals else None,
             )
-        nursery.start_soon(self._receive_loop, self._output, link)
-        checks = topology.liveness
-        if checks is not None:
-            for engine in engines:
-                nursery.start_soon(
-                    partial(
-                        check_liveness,
-                        engine,
-                        link,
-                        interval_s=checks.interval_s,
-                        timeout_s=checks.timeout_s,
-                        kind=checks.kind,
-                    )
-                )
+        assert self._deaths is not None
+        reported_dead = partial(self._deaths.reported_dead, nursery)
+        nursery.start_soon(receive_outputs, self._output, link.state, self._decoder, reported_dead)
+        for engine in engines:
+            self._check_liveness(engine)
+        self._supervise(nursery, bound_input, progress.handshake_address, metadata, local_arguments)
         if topology.launched:
             logger.info("client ready: %d engine(s) serving %r", len(engines), self.config.model)
         else:  # what engines started elsewhere serve is theirs to say, not our config's
@@ -251,6 +262,59 @@ class ZmqTransport:
             self._deaths.death_recorded()
         if self._startup_scope is not None:
             self._startup_scope.cancel()
+        elif engine.restarting and self._supervisor is not None:
+            self._supervisor.restart_later(engine)
+
+    def _check_liveness(self, engine: EngineHandle) -> None:
+        checks = self.topology.liveness
+        if checks is not None and self._nursery is not None and self._link is not None:
+            self._nursery.start_soon(
+                partial(
+                    check_liveness,
+                    engine,
+                    self._link,
+                    interval_s=checks.interval_s,
+                    timeout_s=checks.timeout_s,
+                    kind=checks.kind,
+                )
+            )
+
+    def _supervise(
+        self,
+        nursery: trio.Nursery,
+        input_address: str,
+        handshake_address: str | None,
+        metadata: list[Buffer],
+        local_arguments: list[str],
+    ) -> None:
+        """Start the input watch, and the restarter (see :mod:`._supervision`)."""
+        link = self._link
+        assert link is not None
+        assert self._input is not None
+
+        async def launch(engine: EngineHandle) -> None:
+            assert handshake_address is not None
+            await self._launch_one(engine, nursery, handshake_address, local_arguments)
+
+        restarter = self.remote.restarter if self.remote is not None else None
+        relaunch = RelaunchByRank(
+            self.topology.launched,
+            ProcessRelaunch(launch),
+            RemoteRelaunch(restarter, self._admitted.add) if restarter is not None else None,
+        )
+        self._supervisor = EngineSupervisor(
+            link,
+            self._input,
+            input_address,
+            restart=self.restart if self._handshake is not None else None,
+            handshake=self._handshake,
+            handshake_address=handshake_address,
+            metadata=metadata,
+            relaunch=relaunch,
+            back_in_service=self._check_liveness,
+            ready_timeout_s=self.ready_timeout_s,
+        )
+        nursery.start_soon(self._supervisor.run)
 
     async def _admit_engines(self, nursery: trio.Nursery) -> list[str]:
         """With CURVE, start the handler admitting the engines' keys (before any CURVE
@@ -260,12 +324,14 @@ class ZmqTransport:
         curve = topology.curve
         if curve is None:
             return []
-        allowed = curve.allowed
+        # Mutable: an engine restarted with a new key pair is admitted from then on.
+        allowed = self._admitted
+        allowed |= curve.allowed
         arguments: list[str] = []
         if topology.local_engine_keys:
             assert self._ipc_dir is not None
             public, arguments = local_engine_keys(self._ipc_dir, curve)
-            allowed |= {public}
+            allowed.add(public)
         await nursery.start(
             self._run_socket_task, partial(run_zap_handler, self._ctx, allowed, self._refused)
         )
@@ -278,48 +344,25 @@ class ZmqTransport:
         assert link is not None
         for engine in link.state.engines:
             if engine.rank in self.topology.launched:
-                await launch_engine(
-                    engine,
-                    self.config,
-                    connectable(handshake_address),
-                    nursery,
-                    extra_arguments=extra_arguments,
-                )
-                nursery.start_soon(watch_process, engine, link)
+                await self._launch_one(engine, nursery, handshake_address, extra_arguments)
 
-    def _handshake_metadata(self, input_address: str, output_address: str) -> list[Buffer]:
-        group = (
-            self.remote.group_parallel_config(self.config.data_parallel_size)
-            if self.remote is not None
-            else {}
+    async def _launch_one(
+        self,
+        engine: EngineHandle,
+        nursery: trio.Nursery,
+        handshake_address: str,
+        extra_arguments: list[str],
+    ) -> None:
+        """Launch ``engine``'s process (at startup, or again to restart it) and watch it."""
+        assert self._link is not None
+        await launch_engine(
+            engine,
+            self.config,
+            connectable(handshake_address),
+            nursery,
+            extra_arguments=extra_arguments,
         )
-        coordinator = self.coordinator
-        fields = (
-            {}
-            if coordinator is None
-            else {
-                "coordinator_input": coordinator.engine_publish,
-                "coordinator_output": coordinator.stats,
-                "frontend_stats_publish_address": coordinator.publish,
-            }
-        )
-        metadata = EngineHandshakeMetadata(
-            addresses=EngineZmqAddresses(
-                inputs=[input_address], outputs=[output_address], **fields
-            ),
-            parallel_config=group,
-        )
-        return self._encoder.encode(metadata)
-
-    def _group_hint(self) -> str | None:
-        if self.config.data_parallel_size <= 1:
-            return None
-        if self.remote is not None and self.remote.data_parallel_master_ip is None:
-            return (
-                " (vLLM MoE ranks started by separate launchers meet only where the client "
-                "tells them: RemoteEngines(data_parallel_master_ip=...))"
-            )
-        return ""
+        nursery.start_soon(watch_process, engine, self._link)
 
     def _server_socket(self, socket_type: int) -> TrioSocket:
         """A socket engines connect to: a CURVE server when remote engines use CURVE."""
@@ -384,46 +427,12 @@ class ZmqTransport:
         assert addresses is not None
         await self._follower.follow(nursery, addresses.publish)
 
-    # ------------------------------------------------------------ receive task
-
-    async def _receive_loop(self, sock: TrioSocket, link: ClientLink) -> None:
-        state = link.state
-        budget = _MAX_DRAIN_MESSAGES
-        while True:
-            try:
-                batch = await sock.drain(budget)
-            except trio.ClosedResourceError:
-                if state.closing:
-                    return  # aclose() closed the socket under us: the normal way out
-                raise
-            before = state.batched_outputs
-            for frames in batch:
-                self._handle_message(frames, link)
-            # Outputs for get_output() wait in the batch buffer as decoded objects, so
-            # decoding far ahead of its reader keeps many young objects alive and costs
-            # more in garbage collection than batching saves (measured: 3.4k -> 8k
-            # messages/s of 256 outputs): drain about _DRAIN_OUTPUTS of them per batch.
-            # Stream outputs are merged into their streams as they arrive, so for them
-            # the bigger the batch the fewer reader wake-ups: drain all that is there.
-            per_message = max(1, (state.batched_outputs - before) // len(batch))
-            budget = max(1, min(_MAX_DRAIN_MESSAGES, _DRAIN_OUTPUTS // per_message))
-
-    def _handle_message(self, frames: Frames, link: ClientLink) -> None:
-        if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
-            assert self._deaths is not None
-            assert self._nursery is not None
-            self._deaths.reported_dead(self._nursery)
-            return
-        try:
-            message = self._decoder.decode(frames)
-        except ProtocolError as exc:
-            link.state.undecodable(exc)
-            return
-        link.state.handle_outputs(message)
-
     # ----------------------------------------------------------------- shutdown
 
     async def aclose(self) -> None:
+        # First, so that no engine is restarted while (or after) they are stopped.
+        if self._supervisor is not None:
+            await self._supervisor.stop()
         link = self._link
         if link is not None:
             await stop_engines(link.state.engines, self.shutdown_timeout_s)
@@ -433,7 +442,7 @@ class ZmqTransport:
             scope.cancel()
         for _, done in self._socket_tasks:
             await done.wait()
-        for sock in (self._input, self._output):
+        for sock in (self._input, self._output, self._handshake):
             if sock is not None:
                 sock.close(linger=0)
         if self._follower is not None:

@@ -31,7 +31,10 @@ connection; libzmq itself keeps reconnecting to the address in the background.
   nothing before the ready message, so the ready message is the first thing the new
   client receives on its ROUTER, and nothing of its predecessor reaches the core.
 
-In handshake mode the ready message is sent once, as vLLM's engines do.
+In handshake mode the ready message is sent once, as vLLM's engines do. A headless
+engine (``until_frontend_leaves``) watches its input socket the same way, and stops
+serving when its frontend's connection closes, so that it can go back to the handshake
+and join the next frontend (see ``serve``).
 """
 
 from __future__ import annotations
@@ -255,6 +258,9 @@ class EngineCoreProc:
         # Per client index, how many times its client left: outputs computed before a
         # departure are not sent after it (to whoever took the index since).
         self._epochs: list[int] = []
+        self._frontends: list[_ClientLink] = []
+        self.frontend_left = False
+        """The frontend's connection closed while serving (``until_frontend_leaves``)."""
 
     # -------------------------------------------------------------------- running
 
@@ -264,11 +270,15 @@ class EngineCoreProc:
         *,
         handshake_socket: TrioSocket | None = None,
         headless: bool = False,
+        until_frontend_leaves: bool = False,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Connect to the clients, announce readiness and serve until drained.
 
-        Returns after :meth:`begin_drain` once no request is left. Cancelling it stops
+        Returns after :meth:`begin_drain` once no request is left, or (handshake mode,
+        ``until_frontend_leaves``) as soon as the frontend's connection to the input
+        socket closes: :attr:`frontend_left` then says so, and its requests are
+        dropped (the engine abandons them). Cancelling it stops
         the engine at once (queued outputs are still flushed by the context's linger,
         unless :meth:`abandon` was called). It closes ``handshake_socket`` in any case.
 
@@ -309,9 +319,14 @@ class EngineCoreProc:
                         address,
                     )
                     continue
-                sock = self._connect(
-                    zmq.DEALER, address, identity=identity_for_rank(rank), role="input"
-                )
+                if until_frontend_leaves:
+                    link = self._open_link(index, address, None)
+                    self._frontends.append(link)
+                    sock = link.input
+                else:
+                    sock = self._connect(
+                        zmq.DEALER, address, identity=identity_for_rank(rank), role="input"
+                    )
                 inputs.append(sock)
                 # The ready message is what lets the client's ROUTER route to us.
                 await sock.send_multipart(ready)
@@ -338,6 +353,8 @@ class EngineCoreProc:
                 for link in self._links:
                     nursery.start_soon(self._watch_client, link)
                     nursery.start_soon(self._client_input_loop, link)
+                for link in self._frontends:
+                    nursery.start_soon(self._watch_frontend, link, nursery.cancel_scope)
                 if self._coordinator is not None:
                     nursery.start_soon(self._report_loop, self._coordinator)
                 await self._busy_loop()
@@ -346,9 +363,10 @@ class EngineCoreProc:
             self._send_engine_dead()
             raise
         finally:
+            self._serving = False
             # After abandon(), nothing queued is worth a wait: linger 0.
             linger = 0 if self._abandoned else None
-            for link in self._links:
+            for link in (*self._links, *self._frontends):
                 link.close_monitor()
             for sock in (*inputs, *self._outputs):
                 sock.close(linger=linger)
@@ -479,6 +497,24 @@ class EngineCoreProc:
                     link.wake.cancel()
             elif event == zmq.EVENT_DISCONNECTED and link.connected:
                 self._client_departed(link)
+
+    async def _watch_frontend(self, link: _ClientLink, serving: trio.CancelScope) -> None:
+        """Stop serving once the frontend's connection closes (``until_frontend_leaves``)."""
+        while True:
+            frames = await link.monitor.recv_multipart(copy_leading=2)
+            event = parse_monitor_message([bytes(f) for f in frames])["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and link.connected:
+                self.frontend_left = True
+                logger.warning(
+                    "the frontend left (its connection to %s closed): dropping its %d request(s)",
+                    link.input_address,
+                    self.core.num_requests,
+                )
+                self.abandon()
+                serving.cancel()
+                return
 
     def _client_departed(self, link: _ClientLink) -> None:
         """Forget a client that is gone (synchronous: nothing runs in between)."""

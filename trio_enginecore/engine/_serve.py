@@ -75,12 +75,16 @@ async def _serve(
     handshake_address: str | None,
     headless: bool,
     handshake_timeout_s: float,
+    rejoin_timeout_s: float,
     exit_with_parent: bool,
     lifeline_fd: int | None,
     curve: CurveClient | None,
 ) -> int:
     engine = EngineCoreProc(config, ctx, curve=curve)
     gone: list[str] = []
+    # A headless engine outlives its frontend: it joins the next one to bind the
+    # handshake address (a fresh core each time), or exits after rejoin_timeout_s.
+    watches_frontend = headless and handshake_address is not None
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -115,19 +119,52 @@ async def _serve(
             nursery.start_soon(watch_signals)
             if exit_with_parent:
                 nursery.start_soon(exit_when_orphaned, client_gone)
-            handshake_socket = None
-            if handshake_address is not None:
-                handshake_socket, addresses = await engine_handshake(
-                    ctx,
-                    config,
-                    handshake_address,
+            if handshake_address is None:
+                await engine.run(addresses_for(inputs, outputs))
+                nursery.cancel_scope.cancel()
+                return EXIT_CLIENT_GONE if gone else EXIT_OK
+            timeout_s = handshake_timeout_s
+            while True:
+                try:
+                    handshake_socket, addresses = await engine_handshake(
+                        ctx,
+                        config,
+                        handshake_address,
+                        headless=headless,
+                        timeout_s=timeout_s,
+                        curve=curve,
+                    )
+                except EngineStartupError as exc:
+                    if not engine.frontend_left:
+                        raise
+                    logger.warning(
+                        "no frontend answered at %s within %g s after the last one left "
+                        "(%s): exiting",
+                        handshake_address,
+                        timeout_s,
+                        exc,
+                    )
+                    gone.append("no frontend rejoined")
+                    break
+                if engine.frontend_left:
+                    engine = EngineCoreProc(config, ctx, curve=curve)
+                await engine.run(
+                    addresses,
+                    handshake_socket=handshake_socket,
                     headless=headless,
-                    timeout_s=handshake_timeout_s,
-                    curve=curve,
+                    until_frontend_leaves=watches_frontend,
                 )
-            else:
-                addresses = addresses_for(inputs, outputs)
-            await engine.run(addresses, handshake_socket=handshake_socket, headless=headless)
+                if not engine.frontend_left or engine.draining:
+                    break  # drained, or told to stop as the frontend left: not rejoining
+                if rejoin_timeout_s <= 0:
+                    gone.append("the frontend left")
+                    break
+                logger.warning(
+                    "waiting up to %g s for a frontend at %s to join",
+                    rejoin_timeout_s,
+                    handshake_address,
+                )
+                timeout_s = rejoin_timeout_s
             nursery.cancel_scope.cancel()
     return EXIT_CLIENT_GONE if gone else EXIT_OK
 
@@ -147,6 +184,7 @@ def serve(
     handshake_address: str | None = None,
     headless: bool = False,
     handshake_timeout_s: float = 300.0,
+    rejoin_timeout_s: float = 300.0,
     exit_with_parent: bool = False,
     lifeline_fd: int | None = None,
     curve: CurveClient | None = None,
@@ -158,6 +196,12 @@ def serve(
     ``lifeline_fd`` (the read end of the launching client's lifeline pipe), the engine
     stops at once with exit code 4 when the pipe reads end-of-file, checked first of
     all, before the handshake; so does ``exit_with_parent`` when the parent exits.
+
+    A ``headless`` engine whose frontend's connection closes (the frontend exited, was
+    killed, or its host went away) drops that frontend's requests and goes back to the
+    handshake: it joins the next frontend that binds ``handshake_address``, waiting up
+    to ``rejoin_timeout_s`` for one, then exits with code 4 (0: exit when the frontend
+    leaves).
     """
     if lifeline_fd is not None:
         # The client may have had the kernel send SIGIO when the pipe closes, which
@@ -178,6 +222,7 @@ def serve(
                 handshake_address=handshake_address,
                 headless=headless,
                 handshake_timeout_s=handshake_timeout_s,
+                rejoin_timeout_s=rejoin_timeout_s,
                 exit_with_parent=exit_with_parent,
                 lifeline_fd=lifeline_fd,
                 curve=curve,

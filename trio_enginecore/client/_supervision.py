@@ -1,0 +1,362 @@
+"""After the startup: engines that come back, on their own or restarted by the client.
+
+Two tasks of a multiprocess client, once every engine is ready:
+
+* the **input watch** reads the client's input ROUTER, on which engines send nothing
+  but their ready message. A ready message from an engine in service means it
+  restarted or reconnected on its own (a TCP connection cut and re-made: the
+  reference engine then drops the requests of the connection it lost), so this
+  client's requests on it are failed instead of hanging; one from an engine being
+  restarted completes that restart.
+* the **restarter** (the ``restart`` policy) starts a dead engine again: after the
+  back-off its :class:`~trio_enginecore.client._restart.RestartBudget` gives, the same
+  rank, the same handshake (the client keeps its handshake socket for this), then back
+  into service; one engine at a time, since they share the handshake socket. How an
+  engine is started again is a :class:`Relaunch`: a new process for an engine the
+  client launched (:class:`ProcessRelaunch`), the user's
+  :class:`~trio_enginecore.client.EngineRestarter` for a remote one
+  (:class:`RemoteRelaunch`, Ray's among them).
+
+While no engine is in service, callers wait (bounded) for one to be back:
+:func:`wait_for_service`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Protocol, final
+
+import trio
+
+from .._curve import load_public_key
+from .._zmq import TrioSocket
+from ..errors import EngineDeadError, EngineStartupError, ProtocolError
+from ..protocol import EngineCoreReadyResponse
+from ..serial import Buffer, MsgpackDecoder
+from ._launch import EngineHandle
+from ._remote import EngineRestarter
+from ._restart import Restart, RestartBudget
+from ._router import Router
+from ._startup import StartupProgress
+from ._state import ClientState
+from ._transport import ClientLink
+
+__all__ = [
+    "EngineSupervisor",
+    "ProcessRelaunch",
+    "Relaunch",
+    "RelaunchByRank",
+    "RemoteRelaunch",
+    "wait_for_service",
+]
+
+logger = logging.getLogger("trio_enginecore.client")
+
+
+class Relaunch(Protocol):
+    """How the restarter starts one dead engine again."""
+
+    async def start(self, engine: EngineHandle) -> None:
+        """Remove what is left of the dead engine; start a new one that joins the
+        handshake. Raises ``EngineStartupError`` or ``OSError`` if it cannot."""
+        ...
+
+    async def ended(self, engine: EngineHandle) -> None:
+        """Return when the new engine has ended (never, for one that cannot be
+        watched): its restart then fails at once instead of timing out."""
+        ...
+
+    async def discard(self, engine: EngineHandle) -> str | None:
+        """Stop the new engine (not ready in time); how it ended, if known."""
+        ...
+
+
+@final
+class ProcessRelaunch:
+    """A new process for an engine this client launched.
+
+    Args:
+        launch: launches ``engine``'s process, pointed at the handshake, and watches it.
+    """
+
+    def __init__(self, launch: Callable[[EngineHandle], Awaitable[None]]) -> None:
+        self.launch = launch
+
+    async def start(self, engine: EngineHandle) -> None:
+        old = engine.process
+        if old is not None:
+            if old.returncode is None:
+                # Declared dead but still running (it reported a fatal error and has
+                # not exited yet, say): it goes before its rank is launched again.
+                old.kill()
+            await old.wait()
+            with trio.move_on_after(1.0):
+                await engine.stderr_done.wait()
+            if old.stderr is not None:
+                await old.stderr.aclose()
+        engine.prepare_restart()
+        await self.launch(engine)
+
+    async def ended(self, engine: EngineHandle) -> None:
+        process = engine.process
+        assert process is not None
+        await process.wait()
+
+    async def discard(self, engine: EngineHandle) -> str | None:
+        process = engine.process
+        if process is None:
+            return None
+        if process.returncode is None:
+            process.kill()  # the next attempt starts clean
+            await process.wait()
+        return engine.exit_description(with_name=False)
+
+
+@final
+class RemoteRelaunch:
+    """A remote engine started again by the user's restarter.
+
+    Args:
+        restarter: what started the engine in the first place, or can.
+        admit: adds a CURVE public key to those the client admits.
+    """
+
+    def __init__(self, restarter: EngineRestarter, admit: Callable[[bytes], None]) -> None:
+        self.restarter = restarter
+        self.admit = admit
+
+    async def start(self, engine: EngineHandle) -> None:
+        engine.prepare_restart()
+        try:
+            started = await self.restarter.restart_engine(engine.rank)
+        except (EngineStartupError, OSError):
+            raise
+        except Exception as exc:  # theirs to raise: it becomes this restart's failure
+            raise EngineStartupError(f"the engine restarter failed: {exc!r}") from exc
+        if started.location is not None:
+            engine.location = started.location
+        if started.public_key is not None:
+            self.admit(load_public_key(started.public_key))
+
+    async def ended(self, engine: EngineHandle) -> None:
+        await trio.sleep_forever()  # no process of ours: only the ready wait can tell
+
+    async def discard(self, engine: EngineHandle) -> str | None:
+        try:
+            await self.restarter.stop_engine(engine.rank)
+        except Exception as exc:
+            logger.warning("stopping %s failed: %r", engine.describe(), exc)
+        return None
+
+
+@final
+class RelaunchByRank:
+    """Each engine restarted the way it was started: a process for the ranks this
+    client launched, the remote relaunch for the others."""
+
+    def __init__(
+        self, launched: Collection[int], process: Relaunch, remote: Relaunch | None
+    ) -> None:
+        self.launched = launched
+        self.process = process
+        self.remote = remote
+
+    def _for(self, engine: EngineHandle) -> Relaunch:
+        if engine.rank in self.launched:
+            return self.process
+        assert self.remote is not None, "a remote engine with no restarter was restarted"
+        return self.remote
+
+    async def start(self, engine: EngineHandle) -> None:
+        await self._for(engine).start(engine)
+
+    async def ended(self, engine: EngineHandle) -> None:
+        await self._for(engine).ended(engine)
+
+    async def discard(self, engine: EngineHandle) -> str | None:
+        return await self._for(engine).discard(engine)
+
+
+@final
+class EngineSupervisor:
+    """The input watch and, with a ``restart`` policy, the restarter.
+
+    Args:
+        link: the client's link.
+        input_sock: the client's input ROUTER (only this task receives on it).
+        input_address: its address, for error messages.
+        restart: the policy, or None (then only the input watch runs).
+        handshake: the handshake ROUTER, kept open for restarts.
+        handshake_address: its address (what restarted engines connect to).
+        metadata: the encoded handshake answer (the same for every restart).
+        relaunch: starts a dead engine again (see :class:`Relaunch`).
+        back_in_service: starts what watches an engine that is ready again.
+        ready_timeout_s: how long one restart may take to be ready.
+    """
+
+    def __init__(
+        self,
+        link: ClientLink,
+        input_sock: TrioSocket,
+        input_address: str,
+        *,
+        restart: Restart | None = None,
+        handshake: TrioSocket | None = None,
+        handshake_address: str | None = None,
+        metadata: Sequence[Buffer] = (),
+        relaunch: Relaunch | None = None,
+        back_in_service: Callable[[EngineHandle], None] | None = None,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        self.link = link
+        self.input_sock = input_sock
+        self.input_address = input_address
+        self.restart = restart
+        self.handshake = handshake
+        self.handshake_address = handshake_address
+        self.metadata = metadata
+        self.relaunch = relaunch
+        self.back_in_service = back_in_service
+        self.ready_timeout_s = ready_timeout_s
+        self._budgets: dict[int, RestartBudget] = {}
+        self._awaiting: dict[bytes, trio.Event] = {}
+        self._to_restart, self._queue = trio.open_memory_channel[EngineHandle](float("inf"))
+        self._scope = trio.CancelScope()
+        self._stopped: trio.Event | None = None
+
+    async def run(self) -> None:
+        """Run the input watch (and the restarter) until :meth:`stop`."""
+        self._stopped = stopped = trio.Event()
+        try:
+            with self._scope:
+                async with trio.open_nursery() as tasks:
+                    tasks.start_soon(self._watch_input)
+                    if self.restart is not None:
+                        tasks.start_soon(self._restarter)
+        finally:
+            stopped.set()
+
+    async def stop(self) -> None:
+        """Stop the tasks and wait until they ended: no restart begins after this.
+        Not a checkpoint if :meth:`run` never started."""
+        self._scope.cancel()
+        if self._stopped is not None:
+            await self._stopped.wait()
+
+    def restart_later(self, engine: EngineHandle) -> None:
+        """Queue a dead engine for restarting (its state says ``restarting``)."""
+        if self.restart is not None:
+            self._to_restart.send_nowait(engine)
+
+    # -------------------------------------------------------------- input watch
+
+    async def _watch_input(self) -> None:
+        decoder = MsgpackDecoder(EngineCoreReadyResponse)
+        by_identity = {engine.identity: engine for engine in self.link.state.engines}
+        while True:
+            try:
+                frames = await self.input_sock.recv_multipart()
+            except trio.ClosedResourceError:
+                return  # the client closed the socket: the normal way out
+            engine = by_identity.get(bytes(frames[0])) if len(frames) == 2 else None
+            if engine is None:
+                logger.warning("ignoring a message of %d frame(s) on the input socket", len(frames))
+                continue
+            awaited = self._awaiting.pop(engine.identity, None)
+            if awaited is not None:
+                if len(frames[1]):
+                    try:
+                        engine.ready = decoder.decode(frames[1])
+                    except ProtocolError as exc:
+                        logger.error("%s sent an invalid ready message: %s", engine.describe(), exc)
+                awaited.set()
+            elif engine.alive:
+                self.link.requests_lost(
+                    engine,
+                    "sent a second ready message (it restarted, or reconnected, on its "
+                    "own), so this client's requests on it were lost",
+                )
+
+    # ---------------------------------------------------------------- restarter
+
+    async def _restarter(self) -> None:
+        async for engine in self._queue:
+            await self._restart(engine)
+
+    async def _restart(self, engine: EngineHandle) -> None:
+        restart = self.restart
+        assert restart is not None
+        budget = self._budgets.setdefault(engine.rank, RestartBudget(restart))
+        while engine.restarting:
+            delay = budget.next_delay(trio.current_time())
+            if delay is None:
+                self.link.engine_given_up(
+                    engine,
+                    f"not restarted again: it needed {restart.max_restarts} restart(s) "
+                    f"within {restart.window_s:g} s; the last death: {engine.death}",
+                )
+                return
+            logger.warning("restarting %s in %.2g s", engine.describe(), delay)
+            await trio.sleep(delay)
+            failure = await self._attempt(engine)
+            if failure is None:
+                self.link.engine_back(engine)
+                assert self.back_in_service is not None
+                self.back_in_service(engine)
+                return
+            logger.error("restarting %s failed: %s", engine.describe(), failure)
+            engine.death = f"its restart failed: {failure}"
+
+    async def _attempt(self, engine: EngineHandle) -> str | None:
+        """Start the engine again and wait until it is ready: None, or why not."""
+        relaunch = self.relaunch
+        assert relaunch is not None
+        assert self.handshake is not None
+        ready = self._awaiting[engine.identity] = trio.Event()
+        progress = StartupProgress([engine], self.input_address, self.handshake_address)
+        handshake = self.handshake
+        outcome: str | None = f"not ready within {self.ready_timeout_s:g} s"
+        with trio.move_on_after(self.ready_timeout_s):
+            try:
+                await relaunch.start(engine)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_when_ended, relaunch, engine, nursery.cancel_scope)
+                    await progress.handshake(handshake, self.metadata)
+                    await progress.wait_handshake_ready(handshake)
+                    await ready.wait()
+                    outcome = None
+                    nursery.cancel_scope.cancel()
+            except (EngineStartupError, OSError) as exc:
+                outcome = str(exc)
+        self._awaiting.pop(engine.identity, None)
+        if outcome is None:
+            return None
+        ending = await relaunch.discard(engine)
+        return f"{outcome}: {ending}" if ending else outcome
+
+
+async def _cancel_when_ended(
+    relaunch: Relaunch, engine: EngineHandle, scope: trio.CancelScope
+) -> None:
+    await relaunch.ended(engine)
+    scope.cancel()
+
+
+async def wait_for_service(router: Router, state: ClientState, wait_s: float) -> None:
+    """With no engine in service while one restarts, wait up to ``wait_s`` for one to be
+    back. Cancellation changes nothing.
+
+    Raises:
+        EngineDeadError: none was back in time, or the client failed meanwhile.
+        trio.ClosedResourceError: the client closed meanwhile.
+    """
+    with trio.move_on_after(wait_s):
+        while not router.live:
+            await state.engine_returned.wait()
+            state.raise_if_unusable()
+        return
+    restarting = ", ".join(f"{e.describe()} ({e.death})" for e in state.engines if e.restarting)
+    raise EngineDeadError(
+        f"no engine in service after waiting {wait_s:g} s; restarting: {restarting}"
+    )

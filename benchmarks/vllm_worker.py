@@ -45,6 +45,8 @@ After the client is ready, and before ``READY``, the worker calls vLLM's own
 ``freeze_gc_heap()``, as vLLM's API server does once it has started: without it every
 full collection walks the hundreds of thousands of objects that importing vLLM and
 torch leaves (``"freeze_gc": false`` in the spec skips it, to see the difference).
+``"gc_threshold": [g0, g1, g2]`` then sets the collector's thresholds, as for every
+other client of a tuned series.
 
 ``messages`` counts the messages ``get_output_async`` returned (those with outputs:
 the ones the other clients count, utility replies aside).
@@ -53,6 +55,7 @@ the ones the other clients count, utility replies aside).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import os
@@ -280,6 +283,8 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
             # transformers...) is frozen, so that collections do not walk it.
             if spec.get("freeze_gc", True):
                 freeze_gc_heap()
+            if spec.get("gc_threshold"):  # as benchmarks.worker.tune_gc (not importable here)
+                gc.set_threshold(*(int(t) for t in spec["gc_threshold"]))
             print("READY", flush=True)
             workload = spec["workload"]
             if workload == "generate":
@@ -308,6 +313,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     import vllm
 
     result["vllm_version"] = vllm.__version__
+    result["gc_threshold_0"] = gc.get_threshold()[0]
     return result
 
 

@@ -55,9 +55,26 @@ def _goal(data: dict[str, Any], figure: str) -> dict[str, Any]:
 def test_the_quick_comparison_writes_json_and_markdown(tmp_path: Path) -> None:
     data, report = _quick_comparison(tmp_path, "--vllm-python", "none")
     workloads = {row["workload"] for row in data["medians"]}
-    assert workloads == {"generate", "recv", "utility", "abort", "idle_streams", "array"}
+    assert workloads == {
+        "generate",
+        "generate_gc",
+        "recv",
+        "utility",
+        "abort",
+        "idle_streams",
+        "array",
+    }
     clients = {row["client"] for row in data["medians"] if row["workload"] == "generate"}
     assert clients == {"trio-batch", "trio-stream", "asyncio", "asyncio-stream", "blocking"}
+    # The tuned-GC series runs with the collector tuned, and only it.
+    for row in data["medians"]:
+        if row["workload"] in ("generate", "generate_gc"):
+            tuned = row["workload"] == "generate_gc"
+            assert row["gc_threshold_0"] == (20_000 if tuned else 700), row
+    tuned_clients = {r["client"] for r in data["medians"] if r["workload"] == "generate_gc"}
+    assert tuned_clients == {"trio-batch", "trio-stream", "asyncio-stream"}
+    assert "## Generate with the collector tuned" in report
+    assert "streams ÷ asyncio-stream, C = 512:" in report
     for row in data["medians"]:
         if row["workload"] == "generate":
             assert row["output_tokens"] > 0
@@ -109,9 +126,9 @@ def test_the_quick_comparison_measures_vllms_own_client(tmp_path: Path) -> None:
     assert data["machine"]["vllm"]["measured"] is True
     assert data["machine"]["vllm"]["version"].startswith("0.33")
     vllm_rows = [row for row in data["medians"] if row["client"] == "vllm"]
-    assert {row["workload"] for row in vllm_rows} == {"generate", "recv", "utility"}
+    assert {row["workload"] for row in vllm_rows} == {"generate", "generate_gc", "recv", "utility"}
     for row in vllm_rows:
-        if row["workload"] == "generate":
+        if row["workload"].startswith("generate"):
             assert row["output_tokens"] > 0
             assert row["cpu_us_per_token"] > 0
     for figure in (GOAL_FIGURES[0], GOAL_FIGURES[5]):  # batch and utility ÷ vLLM

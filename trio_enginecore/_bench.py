@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Literal, TextIO
@@ -305,15 +306,40 @@ async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[
     The engine's scheduler is paused (``keep``) so no stream receives anything; each
     stream is a task waiting for its next output in ``async for``. Reports the
     resident-memory growth of this process divided by the number of streams (task,
-    stream and bookkeeping).
+    stream and bookkeeping, and the allocator's overhead on a first use), then, from a
+    second round traced with :mod:`tracemalloc`, the bytes Python holds per stream
+    (``traced_bytes_per_stream``).
     """
     await client.pause_scheduler("keep")
+    try:
+        rss = await _idle_streams_growth(client, streams, "idle", rss_bytes)
+        tracemalloc.start()
+        try:
+            traced = await _idle_streams_growth(
+                client, streams, "traced", lambda: tracemalloc.get_traced_memory()[0]
+            )
+        finally:
+            tracemalloc.stop()
+    finally:
+        await client.resume_scheduler()
+    return {
+        "streams": streams,
+        "rss_growth_bytes": rss,
+        "bytes_per_stream": rss / streams,
+        "traced_bytes_per_stream": traced / streams,
+    }
+
+
+async def _idle_streams_growth(
+    client: TrioClientBase, streams: int, prefix: str, memory: Callable[[], int]
+) -> int:
+    """How much ``memory()`` grows while ``streams`` idle streams are open."""
     all_open = trio.Event()
     opened = 0
 
     async def hold(i: int) -> None:
         nonlocal opened
-        async with client.stream(make_request(f"idle-{i}", 64)) as outputs:
+        async with client.stream(make_request(f"{prefix}-{i}", 64)) as outputs:
             opened += 1
             if opened == streams:
                 all_open.set()
@@ -321,20 +347,15 @@ async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[
                 break
 
     gc.collect()
-    before = rss_bytes()
+    before = memory()
     async with trio.open_nursery() as nursery:
         for i in range(streams):
             nursery.start_soon(hold, i)
         await all_open.wait()
         gc.collect()
-        after = rss_bytes()
+        after = memory()
         nursery.cancel_scope.cancel()
-    await client.resume_scheduler()
-    return {
-        "streams": streams,
-        "rss_growth_bytes": after - before,
-        "bytes_per_stream": (after - before) / streams,
-    }
+    return after - before
 
 
 async def _show_progress(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
@@ -157,9 +158,31 @@ async def measure_generate(
 async def measure_idle_streams(streams: AsyncLLMStreams, *, streams_count: int) -> dict[str, Any]:
     """Memory per open stream on a paused engine: ``streams_count`` tasks, each in
     :meth:`AsyncLLMStreams.generate` waiting for its first output. Reports this
-    process's resident-memory growth divided by the number of streams."""
+    process's resident-memory growth divided by the number of streams, then the bytes
+    Python holds per stream from a second round traced with :mod:`tracemalloc`, as
+    the Trio client's workload does."""
     client = streams.client
     await client.call_utility_async("pause_scheduler", "keep", True)
+    rss = await _idle_streams_growth(streams, streams_count, "idle", rss_bytes)
+    tracemalloc.start()
+    try:
+        traced = await _idle_streams_growth(
+            streams, streams_count, "traced", lambda: tracemalloc.get_traced_memory()[0]
+        )
+    finally:
+        tracemalloc.stop()
+    await client.call_utility_async("resume_scheduler")
+    return {
+        "streams": streams_count,
+        "rss_growth_bytes": rss,
+        "bytes_per_stream": rss / streams_count,
+        "traced_bytes_per_stream": traced / streams_count,
+    }
+
+
+async def _idle_streams_growth(
+    streams: AsyncLLMStreams, streams_count: int, prefix: str, memory: Callable[[], int]
+) -> int:
     all_open = asyncio.Event()
     sent_before = streams.requests_sent
 
@@ -170,25 +193,20 @@ async def measure_idle_streams(streams: AsyncLLMStreams, *, streams_count: int) 
     streams.on_sent = on_sent
 
     async def hold(i: int) -> None:
-        async for _ in streams.generate(make_request(f"idle-{i}", 64)):
+        async for _ in streams.generate(make_request(f"{prefix}-{i}", 64)):
             break
 
     gc.collect()
-    before = rss_bytes()
+    before = memory()
     tasks = [asyncio.create_task(hold(i)) for i in range(streams_count)]
     await all_open.wait()
     streams.on_sent = None
     gc.collect()
-    after = rss_bytes()
+    after = memory()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await client.call_utility_async("resume_scheduler")
-    return {
-        "streams": streams_count,
-        "rss_growth_bytes": after - before,
-        "bytes_per_stream": (after - before) / streams_count,
-    }
+    return after - before
 
 
 # ------------------------------------------------------------------------ driver

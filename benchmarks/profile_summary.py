@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,4 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        # Piped into head: the reader has what it wanted. Point stdout at nothing so
+        # that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,23 @@ def test_the_command_prints_shares_of_the_samples_kept(
     assert "9 samples under receive_outputs" in printed
     assert " 66.7 %  decode (serial.py)" in printed
     assert main([str(profile), "--under", "nothing_by_that_name"]) == 1
+
+
+def test_the_command_piped_into_a_reader_that_stops_early_ends_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    # Far more output than a pipe holds, so that the writer meets the closed pipe.
+    many = tmp_path / "many.txt"
+    many.write_text("\n".join(f"{_MODULE};function_{i} (a/b.py:1) 1" for i in range(5000)))
+    repo = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "benchmarks.profile_summary", str(many), "--top", "5000"]
+    with subprocess.Popen(
+        command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as reader:
+        assert reader.stdout is not None
+        assert reader.stderr is not None
+        assert reader.stdout.readline() == b"5000 samples\n"
+        reader.stdout.close()  # as `| head -1` does
+        stderr = reader.stderr.read()
+    assert b"Traceback" not in stderr
+    assert reader.returncode == 1

@@ -127,9 +127,17 @@ class HostileEngine:
     """
 
     def __init__(
-        self, ctx: zmq.Context[Any], input_address: str, output_address: str, *, rank: int = 0
+        self,
+        ctx: zmq.Context[Any],
+        input_address: str,
+        output_address: str,
+        *,
+        rank: int = 0,
+        vllm_version: str | None = None,
     ) -> None:
         self.rank = rank
+        self.vllm_version = vllm_version
+        """The version its ready message names (the reference engine's by default)."""
         self.dealer: TrioSocket = make_socket(ctx, zmq.DEALER, identity=rank.to_bytes(2, "little"))
         self.push: TrioSocket = make_socket(ctx, zmq.PUSH)
         self.dealer.connect(input_address)
@@ -140,6 +148,9 @@ class HostileEngine:
         self._utility_decoder = MsgpackDecoder(UtilityRequest)
         self.added: dict[str, EngineCoreRequest] = {}
         """Every ADD read so far, by request id."""
+        self.prompt_forms: dict[str, str] = {}
+        """How each ADD's prompt travelled, by request id: ``"list"`` (vLLM 0.33) or
+        ``"int32 array"`` (vLLM 0.34)."""
         self.aborted: list[str] = []
         """Every request id an ABORT named, in the order read."""
         self.calls: list[UtilityRequest] = []
@@ -154,7 +165,10 @@ class HostileEngine:
     async def send_ready(self) -> None:
         """Send the ready message that lets the client's ROUTER route to this engine."""
         config = EngineConfig(data_parallel_rank=self.rank, data_parallel_size=self.rank + 1)
-        await self.dealer.send_multipart(self.encoder.encode(EngineCore(config).ready_response()))
+        ready = EngineCore(config).ready_response()
+        if self.vllm_version is not None:
+            ready = msgspec.structs.replace(ready, vllm_version=self.vllm_version)
+        await self.dealer.send_multipart(self.encoder.encode(ready))
 
     # ---------------------------------------------------- what the client sends
 
@@ -164,6 +178,9 @@ class HostileEngine:
         if request_type == _ADD:
             request = self._add_decoder.decode(payload)
             self.added[request.request_id] = request
+            prompt = MsgpackDecoder().decode(payload)[1]
+            packed = isinstance(prompt, list) and prompt[:1] == ["<i4"]
+            self.prompt_forms[request.request_id] = "int32 array" if packed else "list"
         elif request_type == _ABORT:
             self.aborted += self._abort_decoder.decode(payload)
         elif request_type == _UTILITY:
@@ -224,7 +241,7 @@ class HostileEngine:
 
 @asynccontextmanager
 async def attached_to_hostile_engine(
-    *, max_pending_outputs: int = 64
+    *, max_pending_outputs: int = 64, vllm_version: str | None = None
 ) -> AsyncGenerator[tuple[HostileEngine, TrioMPClient], None]:
     """A real client attached (ipc:// in a temp dir) to a :class:`HostileEngine`.
 
@@ -236,7 +253,7 @@ async def attached_to_hostile_engine(
     tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
     input_address, output_address = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
     ctx: zmq.Context[Any] = zmq.Context()
-    engine = HostileEngine(ctx, input_address, output_address)
+    engine = HostileEngine(ctx, input_address, output_address, vllm_version=vllm_version)
     try:
         # Queued on the DEALER until the client binds its ROUTER.
         await engine.send_ready()
@@ -299,8 +316,9 @@ class ServingEngine(HostileEngine):
         *,
         rank: int = 0,
         answers: Mapping[str, Any] | None = None,
+        vllm_version: str | None = None,
     ) -> None:
-        super().__init__(ctx, input_address, output_address, rank=rank)
+        super().__init__(ctx, input_address, output_address, rank=rank, vllm_version=vllm_version)
         self.answers: dict[str, Any] = {"is_sleeping": False} if answers is None else dict(answers)
         self.answered: dict[str, int] = {}
         """How many calls of each method in ``answers`` were answered."""
@@ -410,6 +428,7 @@ async def attached_to_serving_engines(
     coordinator: bool = False,
     liveness: Liveness | None = None,
     max_pending_outputs: int = 64,
+    vllm_versions: Sequence[str | None] | None = None,
 ) -> AsyncGenerator[AttachedPeers, None]:
     """A real client (``EngineConfig(data_parallel_size=size)``) attached over ipc://
     in a temp dir to ``size`` :class:`ServingEngine` peers (ranks 0 to size - 1), each
@@ -428,8 +447,10 @@ async def attached_to_serving_engines(
     scripted: ScriptedCoordinator | None = None
     error: BaseException | None = None
     try:
+        versions = [None] * size if vllm_versions is None else list(vllm_versions)
         engines += [
-            ServingEngine(ctx, input_address, output_address, rank=rank) for rank in range(size)
+            ServingEngine(ctx, input_address, output_address, rank=rank, vllm_version=version)
+            for rank, version in enumerate(versions)
         ]
         scripted = ScriptedCoordinator(ctx, tmp) if coordinator else None
         async with trio.open_nursery() as nursery:

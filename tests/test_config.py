@@ -37,6 +37,8 @@ def test_defaults_describe_a_working_counter_engine() -> None:
         {"step_time_s": 0.25, "drain_timeout_s": 5},
         {"data_parallel_size": 4, "data_parallel_rank": 3},
         {"log_stats": True, "enable_fault_injection": True},
+        {"vllm_version": "0.33.0"},
+        {"vllm_version": "0.34.0"},
     ],
 )
 def test_valid_values_are_accepted(changes: dict[str, Any]) -> None:
@@ -69,6 +71,11 @@ BAD_VALUES = [
     ("data_parallel_rank", -1),
     ("model", "gpt"),
     ("model", ""),
+    # The reference engine presents itself as a release it speaks, no other.
+    ("vllm_version", "0.32.0"),
+    ("vllm_version", "0.35.0"),
+    ("vllm_version", "latest"),
+    ("vllm_version", 0.34),
 ]
 
 

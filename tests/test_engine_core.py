@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from trio_enginecore.config import EngineConfig
+from trio_enginecore.dialects import NEWEST
 from trio_enginecore.engine import CounterModel, EngineCore, FatalEngineError
 from trio_enginecore.protocol import (
     EngineCoreEvent,
@@ -828,17 +829,22 @@ def test_inject_fault_makes_the_next_step_fatal_when_enabled() -> None:
 def test_utility_names_are_exactly_the_marked_methods() -> None:
     assert EngineCore.utility_names() == [
         "add_lora",
+        "checkpoint_prepare",
+        "checkpoint_restore",
+        "checkpoint_state",
         "execute_dummy_batch",
         "get_request_counts",
         "get_supported_tasks",
         "get_weight_version",
         "inject_fault",
+        "is_inference_ready",
         "is_scheduler_paused",
         "is_sleeping",
         "list_loras",
         "pause_scheduler",
         "pin_lora",
         "profile",
+        "release_kv_cache_memory",
         "remove_lora",
         "reset_prefix_cache",
         "resume_scheduler",
@@ -1077,7 +1083,9 @@ def test_ready_response_describes_the_configuration() -> None:
     assert ready.max_loras == 3
     assert ready.data_parallel_size == 4
     assert ready.data_parallel_rank == 3
-    assert ready.vllm_version == "0.33.0"
+    assert ready.vllm_version == NEWEST.tested_version  # the newest release, by default
+    older = EngineCore(config.evolve(vllm_version="0.33.0")).ready_response()
+    assert older.vllm_version == "0.33.0"
     assert ready.supports_lora is True
     assert ready.enable_sleep_mode is True
     assert ready.kv_cache_size_tokens == 8 * 2048
@@ -1202,3 +1210,85 @@ def test_random_add_abort_step_never_loses_duplicates_or_reorders_tokens(
         assert received[rid] == expected(prompts[rid], max_tokens[rid], VOCAB)
     for rid in aborted:
         assert len(received[rid]) < max_tokens[rid]
+
+
+# ------------------------------------------------- vLLM 0.34: checkpoints, readiness
+
+
+def test_is_inference_ready_is_false_while_asleep_paused_or_in_a_checkpoint() -> None:
+    engine = engine_with()
+    assert result_of(engine, "is_inference_ready") is True
+    assert result_of(engine, "sleep", 1) is None
+    assert result_of(engine, "is_inference_ready") is False
+    assert result_of(engine, "wake_up") is True
+    assert result_of(engine, "pause_scheduler", "keep") is None
+    assert result_of(engine, "is_inference_ready") is False
+    assert result_of(engine, "resume_scheduler") is None
+    assert result_of(engine, "is_inference_ready") is True
+
+
+def test_checkpoint_prepare_waits_for_running_requests_then_is_prepared() -> None:
+    engine = engine_with(max_num_seqs=1)
+    engine.add_request(req("a", [1], max_tokens=2))
+    engine.add_request(req("b", [10], max_tokens=2))
+    engine.step()
+    assert result_of(engine, "checkpoint_prepare") is None  # mode "wait"
+    assert result_of(engine, "checkpoint_state") == ("preparing", None)
+    assert result_of(engine, "is_inference_ready") is False
+    tokens, _ = run_to_completion(engine)
+    assert tokens == {"a": [3]}  # "a" finished; "b" waits, never started
+    assert result_of(engine, "checkpoint_state") == ("prepared", None)
+    assert result_of(engine, "checkpoint_prepare") is None  # repeating is a no-op
+    assert result_of(engine, "checkpoint_restore") is None
+    assert result_of(engine, "checkpoint_state") == ("running", None)
+    assert result_of(engine, "is_inference_ready") is True
+    assert run_to_completion(engine)[0] == {"b": [11, 12]}
+
+
+def test_checkpoint_prepare_abort_aborts_and_is_prepared_at_once() -> None:
+    engine = engine_with()
+    engine.add_request(req("a", [1], max_tokens=5))
+    engine.step()
+    assert result_of(engine, "checkpoint_prepare", "abort") is None
+    assert result_of(engine, "checkpoint_state") == ("prepared", None)
+    assert [o.finish_reason for o in step_outputs(engine)] == [FinishReason.ABORT]
+
+
+def test_sleep_wake_up_and_resume_are_refused_mid_checkpoint_as_vllm_refuses_them() -> None:
+    engine = engine_with()
+    assert result_of(engine, "checkpoint_prepare", "keep") is None
+    for method, args in (("sleep", (1,)), ("wake_up", ()), ("resume_scheduler", ())):
+        reply = call(engine, method, *args)
+        assert reply.failure_message is not None, method
+        assert "while the checkpoint state is prepared" in reply.failure_message
+    assert result_of(engine, "checkpoint_state") == ("prepared", None)
+    assert result_of(engine, "checkpoint_restore") is None
+    assert result_of(engine, "sleep", 1, "abort", True) is None  # 0.34's three arguments
+
+
+def test_checkpoint_prepare_refuses_an_engine_asleep_and_restore_refuses_a_running_one() -> None:
+    engine = engine_with()
+    assert result_of(engine, "sleep", 1) is None
+    reason = result_of(engine, "checkpoint_prepare")
+    assert reason == "Preparing for a checkpoint requires an awake engine"
+    assert result_of(engine, "checkpoint_state") == ("running", None)
+    assert result_of(engine, "checkpoint_restore") is None  # running: a no-op
+
+
+def test_a_bad_checkpoint_mode_changes_nothing() -> None:
+    engine = engine_with()
+    reply = call(engine, "checkpoint_prepare", "later")
+    assert reply.failure_message is not None
+    assert result_of(engine, "checkpoint_state") == ("running", None)
+
+
+def test_release_kv_cache_memory_needs_a_completed_pause() -> None:
+    engine = engine_with()
+    engine.add_request(req("a", [1], max_tokens=5))
+    reply = call(engine, "release_kv_cache_memory")
+    assert reply.failure_message is not None
+    assert "requires a completed pause" in reply.failure_message
+    assert result_of(engine, "pause_scheduler", "abort", True, True) is None  # 0.34: 3 args
+    step_outputs(engine)
+    assert result_of(engine, "release_kv_cache_memory", True) is None
+    assert result_of(engine, "release_kv_cache_memory") is None  # 0.33: no argument

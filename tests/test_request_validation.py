@@ -145,6 +145,9 @@ def _good(**changes: Any) -> EngineCoreRequest:
         ({"prompt_token_ids": [*range(500), "x"]}, TypeError, r"item 500 is str 'x'"),
         ({"prompt_token_ids": [*range(500), -3]}, ValueError, r"prompt_token_ids\[500\] is -3"),
         ({"prompt_token_ids": [*range(500), False]}, TypeError, r"item 500 is bool False"),
+        # vLLM 0.34 packs prompts as int32: every client refuses larger ids, any release.
+        ({"prompt_token_ids": [1, 2**31]}, ValueError, r"\[1\] is 2147483648: .* fit in int32"),
+        ({"prompt_token_ids": [*range(500), 2**40]}, ValueError, r"\[500\] is .* int32"),
         ({"prompt_token_ids": None}, ValueError, r"needs prompt_token_ids"),
         ({"sampling_params": {"max_tokens": 4}}, TypeError, r"sampling_params must be a"),
         ({"sampling_params": None}, ValueError, r"needs sampling_params .* or pooling_params"),
@@ -221,6 +224,11 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], EngineCoreRequest], type[Exception], 
         lambda: _good(prompt_token_ids=["1", "2"]),
         TypeError,
         "prompt_token_ids must hold ints",
+    ),
+    "token id beyond int32": (
+        lambda: _good(prompt_token_ids=[1, 2**31]),
+        ValueError,
+        "must fit in int32",
     ),
     "sampling params as a dict": (
         lambda: _good(sampling_params={"max_tokens": 4}),
@@ -313,6 +321,8 @@ def test_the_blocking_clients_check_requests_too(kind: type[InprocClient | SyncM
     with kind(EngineConfig(step_time_s=0.01)) as client:
         with pytest.raises(TypeError, match="request_id must be a str"):
             client.add_request(_good(request_id=7))
+        with pytest.raises(ValueError, match="must fit in int32"):
+            client.add_request(_good(prompt_token_ids=[2**31]))
         assert client.statistics().requests_in_flight == 0
         client.add_request(EngineCoreRequest.for_tokens([1], request_id="x", max_tokens=10_000))
         with pytest.raises(ValueError, match="'x' is already in flight"):

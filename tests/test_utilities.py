@@ -25,7 +25,9 @@ from trio_enginecore.client._utilities import (
     agree,
     combine,
     convert_each,
+    sleep_arguments,
     sum_counts,
+    trailing_given,
 )
 from trio_enginecore.protocol import EngineCoreOutputs, EngineCoreRequest
 
@@ -78,6 +80,11 @@ TWO_ENGINES: dict[str, tuple[list[Any], Any]] = {
     "resume_scheduler": ([None, None], None),
     "is_scheduler_paused": ([False, False], False),
     "get_request_counts": ([[1, 2], [3, 4]], (4, 6)),
+    "release_kv_cache_memory": ([None, None], None),
+    "is_inference_ready": ([True, False], False),
+    "checkpoint_prepare": ([None, "Cannot prepare: asleep"], "Cannot prepare: asleep"),
+    "checkpoint_restore": ([None, None], None),
+    "checkpoint_state": ([["prepared", None], ["preparing", None]], ("preparing", None)),
 }
 
 SPECS = list(UTILITIES)
@@ -262,23 +269,58 @@ class _BlockingFace(EngineCoreClient):
         pass
 
 
-def _placeholders(spec: UtilitySpec[Any]) -> tuple[str, ...]:
+def _placeholders(spec: UtilitySpec[Any]) -> tuple[tuple[str, ...], dict[str, str]]:
     # One distinct value per parameter: the engine must receive them all, in order.
-    parameters = list(inspect.signature(getattr(EngineCoreClient, spec.name)).parameters)
-    return tuple(f"<{name}>" for name in parameters[1:])
+    parameters = list(inspect.signature(getattr(EngineCoreClient, spec.name)).parameters.values())
+    positional = tuple(f"<{p.name}>" for p in parameters[1:] if p.kind is not p.KEYWORD_ONLY)
+    keywords = {p.name: f"<{p.name}>" for p in parameters if p.kind is p.KEYWORD_ONLY}
+    return positional, keywords
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 async def test_both_faces_ask_every_engine_and_answer_alike(spec: UtilitySpec[Any]) -> None:
     answers, expected = TWO_ENGINES[spec.name]
-    args = _placeholders(spec)
+    args, keywords = _placeholders(spec)
     trio_face = _TrioFace({spec.name: answers})
     blocking_face = _BlockingFace({spec.name: answers})
-    trio_result = await getattr(trio_face, spec.name)(*args)
-    blocking_result = getattr(blocking_face, spec.name)(*args)
+    trio_result = await getattr(trio_face, spec.name)(*args, **keywords)
+    blocking_result = getattr(blocking_face, spec.name)(*args, **keywords)
     assert trio_result == blocking_result == expected == combine(spec, answers)
     assert type(trio_result) is type(blocking_result) is type(expected)
-    assert trio_face.calls == blocking_face.calls == [(spec.name, args)]
+    sent = (*args, *keywords.values())
+    assert trio_face.calls == blocking_face.calls == [(spec.name, sent)]
+
+
+@pytest.mark.parametrize(
+    ("states", "merged"),
+    [
+        ([("running", None), ("running", None)], ("running", None)),
+        ([("prepared", None), ("prepared", None)], ("prepared", None)),
+        ([("prepared", None), ("preparing", None)], ("preparing", None)),
+        ([("running", None), ("preparing", None)], ("preparing", None)),
+        ([("running", None), ("restoring", None)], ("restoring", None)),
+        ([("prepared", None), ("running", None)], ("restoring", None)),
+        ([("running", None), ("failed", "e1"), ("failed", "e2")], ("failed", "e1")),
+    ],
+)
+def test_checkpoint_states_merge_as_vllms_client_merges_them(
+    states: list[tuple[str, str | None]], merged: tuple[str, str | None]
+) -> None:
+    assert combine(UTILITIES.checkpoint_state, [list(s) for s in states]) == merged
+
+
+def test_an_unknown_checkpoint_state_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="checkpoint_state"):
+        combine(UTILITIES.checkpoint_state, [["sleeping", None]])
+
+
+def test_sleep_sends_only_the_arguments_given() -> None:
+    assert sleep_arguments(1, None, None) == (1,)
+    assert sleep_arguments(2, "abort", None) == (2, "abort")
+    assert sleep_arguments(1, "keep", False) == (1, "keep", False)
+    with pytest.raises(ValueError, match="give mode too"):
+        sleep_arguments(1, None, True)
+    assert trailing_given("abort", True, None) == ("abort", True)
 
 
 async def test_both_faces_give_the_counts_of_each_engine() -> None:

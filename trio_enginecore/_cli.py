@@ -267,6 +267,12 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT, how long in-flight requests may finish (default: %(default)s)",
     )
     engine.add_argument(
+        "--vllm-version",
+        default=defaults.vllm_version,
+        help="the vLLM release the engine presents itself as; it reads requests of "
+        "every supported release (default: %(default)s)",
+    )
+    engine.add_argument(
         "--enable-fault-injection",
         action="store_true",
         help="enable the inject_fault utility that kills the engine on purpose (tests only)",
@@ -474,6 +480,7 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
             drain_timeout_s=args.drain_timeout_s,
             data_parallel_size=args.data_parallel_size,
             data_parallel_rank=args.rank,
+            vllm_version=args.vllm_version,
             enable_fault_injection=args.enable_fault_injection,
         )
     except ValueError as exc:

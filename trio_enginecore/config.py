@@ -7,6 +7,8 @@ from typing import Any, Final
 
 import attrs
 
+from .dialects import DIALECTS, NEWEST, choose_dialect
+
 __all__ = ["MODELS", "EngineConfig"]
 
 MODELS: Final = ("counter", "ngram")
@@ -45,6 +47,18 @@ def _non_negative_seconds(instance: Any, attribute: attrs.Attribute[Any], value:
 def _boolean(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"EngineConfig.{attribute.name} must be True or False, got {value!r}")
+
+
+def _known_vllm_version(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    known = ", ".join(dialect.tested_version for dialect in DIALECTS)
+    try:
+        choice = choose_dialect(value) if isinstance(value, str) else None
+    except ValueError:
+        choice = None
+    if choice is None or choice.untested:
+        raise ValueError(
+            f"EngineConfig.vllm_version must be a supported vLLM release ({known}), got {value!r}"
+        )
 
 
 def _model_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -100,6 +114,12 @@ class EngineConfig:
 
     data_parallel_rank: int = attrs.field(default=0, validator=_non_negative_int)
     """This engine's rank; its DEALER identity is ``rank.to_bytes(2, "little")``."""
+
+    vllm_version: str = attrs.field(default=NEWEST.tested_version, validator=_known_vllm_version)
+    """The vLLM release the engine presents itself as: the version in its ready
+    message, which tells clients what form to write requests in, and the form of its
+    outputs and ready message. It reads requests in every supported release's form
+    either way, so vLLM clients of each release can use it."""
 
     enable_fault_injection: bool = attrs.field(default=False, validator=_boolean)
     """Enable the ``inject_fault`` utility, which makes the engine fail on purpose (for

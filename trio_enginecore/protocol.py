@@ -1,12 +1,14 @@
-"""The EngineCore wire protocol, as spoken by vLLM 0.33.
+"""The EngineCore wire protocol, as spoken by vLLM 0.33 and 0.34.
 
 Every message that crosses the sockets between a client and an engine is defined
 here as a :class:`msgspec.Struct` with the same field names, field order, defaults and
-encoding as vLLM 0.33, so a trio-enginecore client can talk to a vLLM engine and a vLLM
-frontend can talk to our reference engine. The golden frames in
-``tests/data/vllm-0.33.0`` (produced by vLLM's own encoder) are the executable form
-of this module: the test suite decodes each of them with our decoder and re-encodes
-them byte for byte.
+encoding as vLLM (the newest supported release's fields), so a trio-enginecore client
+can talk to a vLLM engine and a vLLM frontend can talk to our reference engine. What
+differs between releases (a prompt's form, how many trailing fields are written) is
+in :mod:`trio_enginecore.dialects`. The golden frames in ``tests/data/vllm-0.33.0``
+and ``tests/data/vllm-0.34.0`` (produced by vLLM's own encoders) are the executable
+form of this module: the test suite decodes each of them with our decoder and
+re-encodes them byte for byte in their release's dialect.
 
 Encodings
 ---------
@@ -60,7 +62,18 @@ import math
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar, Final, Literal, NamedTuple, TypedDict, Unpack
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    ClassVar,
+    Final,
+    Literal,
+    NamedTuple,
+    TypeAlias,
+    TypedDict,
+    Unpack,
+)
 
 import msgspec
 import numpy as np
@@ -92,6 +105,8 @@ __all__ = [
     "LogprobsTensors",
     "PoolingParams",
     "PrefillStats",
+    "PrefixHashConfig",
+    "PromptTokenIds",
     "RepetitionDetectionParams",
     "RequestError",
     "RequestOutputKind",
@@ -355,6 +370,18 @@ class LogprobsTensors(NamedTuple):
 # ------------------------------------------------------------ request-side structs
 
 
+if TYPE_CHECKING:
+    PromptTokenIds: TypeAlias = list[int]
+else:
+    # vLLM 0.33 sends a prompt as a list of ints and 0.34 as an int32 array
+    # (`["<i4", [n], data]`): both msgpack arrays, which no msgspec type can tell
+    # apart. msgspec decodes the field untyped, and MsgpackDecoder then reads either
+    # form into a checked list of ints.
+    PromptTokenIds = Any
+"""A prompt's token ids: a ``list[int]`` in Python, whichever form it travelled in
+(see :mod:`trio_enginecore.dialects`)."""
+
+
 class StructuredOutputsParams(msgspec.Struct, gc=False):
     """Constraints for structured (guided) decoding. A map with every field present."""
 
@@ -598,10 +625,17 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     ``mm_features`` and ``kv_hints`` are carried as plain msgpack data: we cannot
     model vLLM's multimodal and KV-hint types without torch.
+
+    ``prompt_token_ids`` is always a list of ints here; on the wire it takes the form
+    of the receiving engine's vLLM release (:mod:`trio_enginecore.dialects`), and a
+    decoder reads either form. ``block_hashes`` (vLLM 0.34 on) are prompt block hashes
+    a frontend computed from the engine's :class:`PrefixHashConfig`; an engine of an
+    older release never receives them. The reference engine ignores them and hashes
+    the prompt itself (a forged hash could alias another prompt's cached prefix).
     """
 
     request_id: str
-    prompt_token_ids: list[int] | None
+    prompt_token_ids: PromptTokenIds | None
     mm_features: list[Any] | None
     sampling_params: SamplingParams | None
     pooling_params: PoolingParams | None
@@ -622,6 +656,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     abort_immediately: bool = False
     session_id: str | None = None
     kv_hints: Any = None
+    block_hashes: list[bytes] | None = None
 
     @classmethod
     def for_tokens(
@@ -824,6 +859,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     spec_decode_metrics: Any = None
     prompt_token_id_logprobs: Tensor | None = None
     error: RequestError | None = None
+    watermarking: bool | None = None
 
     @property
     def finished(self) -> bool:
@@ -872,6 +908,16 @@ def identity_for_rank(rank: int) -> bytes:
     return rank.to_bytes(2, "little")
 
 
+class PrefixHashConfig(msgspec.Struct, gc=False):
+    """How an engine hashes prompt blocks for its prefix cache (vLLM 0.34 on), as
+    its ready message tells a frontend that wants to send ``block_hashes``."""
+
+    hash_algo: str
+    hash_block_size: int
+    none_hash: bytes
+    num_lookahead_tokens: int = 0
+
+
 class EngineCoreReadyResponse(msgspec.Struct, gc=False):
     """The first message an engine sends on each input socket after connecting.
 
@@ -907,6 +953,12 @@ class EngineCoreReadyResponse(msgspec.Struct, gc=False):
     coord_store_port: int = 0
     coordinator_input_address: str | None = None
     coordinator_output_address: str | None = None
+    # vLLM 0.34 on (a 0.33 engine's ready message ends above).
+    vllm_config: dict[str, Any] | None = None
+    prefix_hash_config: PrefixHashConfig | None = None
+    cache_config_info: dict[str, Any] | None = None
+    config_hash: str | None = None
+    enable_expert_parallel: bool = False
 
 
 class EngineZmqAddresses(msgspec.Struct, gc=False):

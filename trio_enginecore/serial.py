@@ -9,9 +9,15 @@ as ``[dtype, shape, data]``, where ``data`` is either
 * the integer index of the aux frame that holds the bytes (the payload is index 0, so
   aux indices start at 1), sent without copying the array.
 
-This is vLLM 0.33's format (``vllm/v1/serial_utils.py``), minus its insecure
-pickle/cloudpickle fallbacks: extension types 1 and 2 are refused, never unpickled, and
-every decode is typed by the schema in :mod:`trio_enginecore.protocol`.
+This is vLLM's format (``vllm/v1/serial_utils.py``, the same in 0.33 and 0.34), minus
+its insecure pickle/cloudpickle fallbacks: extension types 1 and 2 are refused, never
+unpickled, and every decode is typed by the schema in :mod:`trio_enginecore.protocol`.
+
+What differs between vLLM releases is written by :func:`request_for`,
+:func:`outputs_for` and :func:`ready_for`, which give the value to encode for one
+release's :class:`~trio_enginecore.dialects.Dialect`. Decoding needs no dialect: a
+decoder reads a prompt in either release's form, and missing trailing fields take
+their defaults.
 
 Encoders and decoders are cheap to keep and not thread-safe: give each task or thread
 its own.
@@ -29,8 +35,16 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from .dialects import Dialect
 from .errors import ProtocolError
-from .protocol import Tensor, UtilityResult
+from .protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    Tensor,
+    UtilityResult,
+)
 
 __all__ = [
     "DEFAULT_SIZE_THRESHOLD",
@@ -40,6 +54,9 @@ __all__ = [
     "Buffer",
     "MsgpackDecoder",
     "MsgpackEncoder",
+    "outputs_for",
+    "ready_for",
+    "request_for",
 ]
 
 T = TypeVar("T")
@@ -56,6 +73,53 @@ EXT_RAW_VIEW: Final = 3
 
 _MAX_NDIM: Final = 32
 _FORBIDDEN_DTYPE_KINDS: Final = frozenset("OV")
+_TOKEN_IDS: Final = list[int]
+
+
+def request_for(dialect: Dialect, request: EngineCoreRequest) -> object:
+    """What to encode for ``request`` so that an engine of ``dialect`` reads it.
+
+    For a release that packs prompts, ``prompt_token_ids`` becomes an int32 array
+    (inline below the size threshold, else an aux frame, as vLLM's clients send it);
+    fields the release does not have are left out (an engine of that release would
+    ignore them).
+
+    Raises:
+        ValueError: a token id does not fit in int32 (the clients check this first).
+    """
+    fields = dialect.request_fields
+    prompt = request.prompt_token_ids
+    if not dialect.packed_prompts or prompt is None:
+        if fields == len(EngineCoreRequest.__struct_fields__):
+            return request
+        return msgspec.structs.astuple(request)[:fields]
+    values = list(msgspec.structs.astuple(request)[:fields])
+    try:
+        values[1] = np.array(prompt, dtype=np.int32)
+    except OverflowError:
+        raise ValueError(
+            f"EngineCoreRequest.prompt_token_ids holds a token id out of int32 range "
+            f"({dialect.name} engines take int32 token ids)"
+        ) from None
+    return values
+
+
+def outputs_for(dialect: Dialect, outputs: EngineCoreOutputs) -> object:
+    """What to encode for ``outputs`` in ``dialect``'s form (each output with the
+    fields of that release only)."""
+    fields = dialect.output_fields
+    if fields == len(EngineCoreOutput.__struct_fields__) or not outputs.outputs:
+        return outputs
+    values = list(msgspec.structs.astuple(outputs))
+    values[1] = [msgspec.structs.astuple(output)[:fields] for output in outputs.outputs]
+    return values
+
+
+def ready_for(dialect: Dialect, ready: EngineCoreReadyResponse) -> object:
+    """What to encode for a ready response in ``dialect``'s form (its keys only)."""
+    if dialect.ready_keys == len(EngineCoreReadyResponse.__struct_fields__):
+        return ready
+    return dict(list(msgspec.structs.asdict(ready).items())[: dialect.ready_keys])
 
 
 def _array_wire_bytes(array: npt.NDArray[Any]) -> memoryview:
@@ -172,6 +236,7 @@ class MsgpackDecoder(Generic[T]):
             type, dec_hook=self._dec_hook, ext_hook=self._ext_hook
         )
         self._frames: Sequence[Buffer] = ()
+        self._settle = self._settle_prompt if type is EngineCoreRequest else None
 
     def decode(self, frames: Buffer | Sequence[Buffer]) -> T:
         """Decode one message from its frames (or from a lone payload buffer).
@@ -192,7 +257,10 @@ class MsgpackDecoder(Generic[T]):
             raise ProtocolError("empty message: expected at least a payload frame")
         self._frames = message
         try:
-            return cast("T", self._decoder.decode(message[0]))
+            value = self._decoder.decode(message[0])
+            if self._settle is not None:
+                self._settle(value)
+            return cast("T", value)
         except ProtocolError:
             raise
         except msgspec.ValidationError as exc:
@@ -234,6 +302,41 @@ class MsgpackDecoder(Generic[T]):
                 raise TypeError("expected a utility result `[type_info, result]`")
             return UtilityResult(pair[1], type_info=pair[0])
         raise TypeError(f"no decoder for type {type_!r}")
+
+    def _settle_prompt(self, request: EngineCoreRequest) -> None:
+        # `prompt_token_ids` arrives untyped (see protocol.PromptTokenIds). A list of
+        # token ids (vLLM 0.33) never starts with a string; an array (`[dtype, shape,
+        # data]`, vLLM 0.34) always does.
+        raw: Any = request.prompt_token_ids
+        if raw is None:
+            return
+        if isinstance(raw, list) and raw and isinstance(raw[0], str):
+            try:
+                dtype_name, array = self._decode_array(raw, numpy_names=True)
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(
+                    f"invalid EngineCoreRequest message: {exc} - at `$[1]` (prompt_token_ids)"
+                ) from None
+            if array.ndim != 1 or array.dtype.kind not in "iu":
+                raise ProtocolError(
+                    "invalid EngineCoreRequest message: a prompt must be a 1-d integer "
+                    f"array, got dtype {dtype_name} and shape {tuple(array.shape)} - at "
+                    "`$[1]` (prompt_token_ids)"
+                )
+            request.prompt_token_ids = array.tolist()
+            return
+        try:
+            request.prompt_token_ids = msgspec.convert(raw, _TOKEN_IDS)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            where = (
+                message.replace("`$", "`$[1]", 1)
+                if " - at `$" in message
+                else f"{message} - at `$[1]`"
+            )
+            raise ProtocolError(
+                f"invalid EngineCoreRequest message: {where} (prompt_token_ids)"
+            ) from None
 
     def _decode_array(self, obj: Any, *, numpy_names: bool) -> tuple[str, npt.NDArray[Any]]:
         items = cast("list[Any]", obj) if isinstance(obj, list) else None

@@ -402,6 +402,14 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             # The client's own checks go on after it failed: under "fail" the other
             # engines' streams keep streaming, and one that hangs must be noticed.
             state.raise_if_unusable()
+        for engine in engines:
+            # A utility the engine's release lacks, or a signature it does not have, is
+            # refused here with the reason, instead of failing on the engine.
+            problem = engine.dialect.utility_problem(method, len(args))
+            if problem is not None:
+                raise UtilityCallError(
+                    method, f"not sent: {engine.describe()} runs {problem}", rank=engine.rank
+                )
         return await call_engines(
             state.calls,
             self._transport.send_utility,

@@ -25,6 +25,7 @@ from ._client import TrioEngineClient
 from ._interface import ClientStatistics
 from ._launch import EngineHandle
 from ._running import run_client
+from ._startup import settle_dialects
 from ._sync import EngineCoreClient
 from ._transport import ClientLink
 from ._validate import check_request
@@ -67,6 +68,7 @@ class InprocTransport:
     async def start(self, nursery: trio.Nursery, link: ClientLink) -> None:
         engine = EngineHandle.for_rank(self.config.data_parallel_rank)
         engine.ready = self.core.ready_response()
+        settle_dialects([engine])
         link.state.engines[:] = [engine]
         nursery.start_soon(self._engine_loop, link)
         await trio.lowlevel.checkpoint()

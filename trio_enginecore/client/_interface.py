@@ -16,7 +16,16 @@ import attrs
 
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest
 from ._stream import RequestStream
-from ._utilities import UTILITIES, UtilitySpec, combine, convert_each, convert_result
+from ._utilities import (
+    UTILITIES,
+    CheckpointState,
+    UtilitySpec,
+    combine,
+    convert_each,
+    convert_result,
+    sleep_arguments,
+    trailing_given,
+)
 
 __all__ = [
     "AsyncEngineCoreClient",
@@ -153,9 +162,25 @@ class AsyncEngineCoreClient(abc.ABC):
         """
         return await self._utility(UTILITIES.is_sleeping)
 
-    async def sleep(self, level: int = 1) -> None:
-        """Put the engine (every engine) to sleep: it stops stepping until :meth:`wake_up`."""
-        return await self._utility(UTILITIES.sleep, level)
+    async def sleep(
+        self,
+        level: int = 1,
+        mode: Literal["abort", "wait", "keep"] | None = None,
+        *,
+        reset_connector: bool | None = None,
+    ) -> None:
+        """Put the engine (every engine) to sleep: it stops stepping until :meth:`wake_up`.
+
+        ``mode`` says what becomes of the requests in flight (vLLM's pause modes;
+        without one, the reference engine keeps them). ``reset_connector`` (vLLM 0.34
+        engines only; needs ``mode``) also resets the KV connector's cache.
+
+        Raises:
+            UtilityCallError: an engine refused (e.g. while a process checkpoint is
+                under way), or ``reset_connector`` went to an engine older than
+                vLLM 0.34 (refused before sending).
+        """
+        return await self._utility(UTILITIES.sleep, *sleep_arguments(level, mode, reset_connector))
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake the engine up after :meth:`sleep`.
@@ -211,15 +236,59 @@ class AsyncEngineCoreClient(abc.ABC):
         return await self._utility(UTILITIES.get_weight_version)
 
     async def pause_scheduler(
-        self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
+        self,
+        mode: Literal["abort", "wait", "keep"] = "abort",
+        clear_cache: bool = True,
+        *,
+        reset_connector: bool | None = None,
     ) -> None:
         """Pause the engine's scheduler.
 
         ``abort`` aborts in-flight requests (their streams end with ABORT), ``wait``
         returns once running requests finished, ``keep`` freezes them in place.
         Requests added while paused wait until :meth:`resume_scheduler`.
+        ``reset_connector`` (vLLM 0.34 engines only) also resets the KV connector's
+        cache.
         """
-        return await self._utility(UTILITIES.pause_scheduler, mode, clear_cache)
+        return await self._utility(
+            UTILITIES.pause_scheduler, *trailing_given(mode, clear_cache, reset_connector)
+        )
+
+    async def release_kv_cache_memory(self, *, reset_connector: bool | None = None) -> None:
+        """Discard the engines' KV cache memory after a completed pause
+        (:meth:`pause_scheduler`); kept requests are recomputed after. vLLM 0.34 and
+        the reference engine; ``reset_connector`` needs vLLM 0.34."""
+        return await self._utility(
+            UTILITIES.release_kv_cache_memory, *trailing_given(reset_connector)
+        )
+
+    async def is_inference_ready(self) -> bool:
+        """Whether every engine would serve a new request now: none asleep, paused or
+        in a process checkpoint (vLLM 0.34 engines and the reference engine; refused
+        before sending to older ones)."""
+        return await self._utility(UTILITIES.is_inference_ready)
+
+    async def checkpoint_prepare(
+        self, mode: Literal["abort", "wait", "keep"] = "wait"
+    ) -> str | None:
+        """Prepare every engine for a process checkpoint (vLLM 0.34): pause with
+        ``mode``, then release what a checkpoint must not hold; watch
+        :meth:`checkpoint_state` reach ``"prepared"``.
+
+        Returns the first refusing engine's reason (by rank), or None. Engines that
+        did not refuse are preparing: :meth:`checkpoint_restore` brings them back.
+        """
+        return await self._utility(UTILITIES.checkpoint_prepare, mode)
+
+    async def checkpoint_restore(self) -> None:
+        """Bring every engine back from a prepared checkpoint and resume serving."""
+        return await self._utility(UTILITIES.checkpoint_restore)
+
+    async def checkpoint_state(self) -> tuple[CheckpointState, str | None]:
+        """``(state, error)`` of the engines' process checkpoint, merged over the
+        engines as vLLM's client merges them: ``"failed"`` if any failed (with its
+        error), else the state they share, else the transition under way."""
+        return await self._utility(UTILITIES.checkpoint_state)
 
     async def resume_scheduler(self) -> None:
         """Resume the engine's scheduler after :meth:`pause_scheduler`."""

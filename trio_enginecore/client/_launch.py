@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from ..config import EngineConfig
+from ..dialects import OLDEST, Dialect
 from ..protocol import EngineCoreReadyResponse, identity_for_rank
 from ._interface import EngineStatus
 from ._lb import EngineLoad
@@ -65,6 +66,8 @@ def serve_arguments(config: EngineConfig) -> list[str]:
         str(config.seed),
         "--drain-timeout-s",
         repr(config.drain_timeout_s),
+        "--vllm-version",
+        config.vllm_version,
     ]
     if config.vocab_size is not None:
         arguments += ["--vocab-size", str(config.vocab_size)]
@@ -162,6 +165,9 @@ class EngineHandle:
     )
     stderr_done: trio.Event = attrs.field(factory=trio.Event)
     ready: EngineCoreReadyResponse | None = None
+    dialect: Dialect = OLDEST
+    """The wire form this engine's vLLM release reads, from its ready message (the
+    oldest supported until one says otherwise)."""
     load: EngineLoad = attrs.field(factory=EngineLoad)
     alive: bool = True
     death: str | None = None

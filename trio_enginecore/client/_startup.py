@@ -24,6 +24,7 @@ import zmq
 from .._zmq import TrioSocket
 from ..config import EngineConfig
 from ..coordinator import CoordinatorAddresses
+from ..dialects import choose_dialect, choose_group_dialect
 from ..errors import EngineStartupError, ProtocolError
 from ..protocol import (
     EngineCoreReadyResponse,
@@ -186,6 +187,7 @@ class StartupProgress:
                         f"{engine.describe()} sent an invalid ready message: {exc}"
                     ) from exc
             logger.debug("%s is ready", engine.describe())
+        settle_dialects(self.engines)
 
     def _handshake_ready(self, identity: bytes) -> None:
         self.handshake_ready.add(identity)
@@ -257,3 +259,52 @@ class StartupProgress:
             f"{name} said READY in the handshake but its ready message never arrived at "
             f"the input address {self.input_address} (it could not connect there)"
         )
+
+
+def settle_dialects(engines: Sequence[EngineHandle]) -> None:
+    """Give each engine the dialect of the vLLM release its ready message names.
+
+    Engines that sent an empty ready message keep the oldest dialect. Logs one warning
+    for a release newer than every known one.
+
+    Raises:
+        EngineStartupError: an engine's release is older than every supported one, or
+            the engines run different releases (the message names them).
+    """
+    versions = [
+        (engine.describe(), engine.ready.vllm_version)
+        for engine in engines
+        if engine.ready is not None
+    ]
+    if not versions:
+        return
+    try:
+        choice = choose_group_dialect(versions)
+    except ValueError as exc:
+        raise EngineStartupError(f"engines refused: {exc}") from None
+    warning = choice.warning()
+    if warning is not None:
+        logger.warning("%s", warning)
+    for engine in engines:
+        if engine.ready is not None:
+            engine.dialect = choice.dialect
+
+
+def adopt_dialect(engine: EngineHandle) -> None:
+    """Give an engine that restarted or re-attached the dialect of its (new) ready
+    message; it is sent its own release's form even if that changed (logged)."""
+    if engine.ready is None:
+        return
+    try:
+        choice = choose_dialect(engine.ready.vllm_version)
+    except ValueError as exc:
+        logger.error("%s came back unsupported: %s", engine.describe(), exc)
+        return
+    if choice.dialect != engine.dialect:
+        logger.warning(
+            "%s came back as vLLM %s (was %s): sending it that release's form",
+            engine.describe(),
+            choice.version,
+            engine.dialect.name,
+        )
+    engine.dialect = choice.dialect

@@ -38,7 +38,7 @@ from ._launch import EngineHandle
 from ._remote import EngineRestarter
 from ._restart import Restart, RestartBudget
 from ._router import Router
-from ._startup import StartupProgress
+from ._startup import StartupProgress, adopt_dialect
 from ._state import ClientState
 from ._transport import ClientLink
 
@@ -270,6 +270,8 @@ class EngineSupervisor:
                         engine.ready = decoder.decode(frames[1])
                     except ProtocolError as exc:
                         logger.error("%s sent an invalid ready message: %s", engine.describe(), exc)
+                    else:
+                        adopt_dialect(engine)
                 awaited.set()
             elif engine.alive:
                 self.link.requests_lost(

@@ -25,7 +25,15 @@ from ..errors import UtilityCallError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, UtilityOutput
 from ._interface import ClientStatistics
 from ._mp import TrioMPClient, open_trio_mp_client
-from ._utilities import UTILITIES, UtilitySpec, combine, convert_each
+from ._utilities import (
+    UTILITIES,
+    CheckpointState,
+    UtilitySpec,
+    combine,
+    convert_each,
+    sleep_arguments,
+    trailing_given,
+)
 
 __all__ = ["EngineCoreClient", "SyncMPClient"]
 
@@ -103,9 +111,15 @@ class EngineCoreClient(abc.ABC):
         """Whether the engine is asleep (with several engines, they must agree)."""
         return self._utility(UTILITIES.is_sleeping)
 
-    def sleep(self, level: int = 1) -> None:
-        """Put the engine (every engine) to sleep: it stops stepping until :meth:`wake_up`."""
-        return self._utility(UTILITIES.sleep, level)
+    def sleep(
+        self,
+        level: int = 1,
+        mode: Literal["abort", "wait", "keep"] | None = None,
+        *,
+        reset_connector: bool | None = None,
+    ) -> None:
+        """Put the engine (every engine) to sleep (see the Trio client's ``sleep``)."""
+        return self._utility(UTILITIES.sleep, *sleep_arguments(level, mode, reset_connector))
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake the engine up after :meth:`sleep`; whether it is fully awake."""
@@ -154,10 +168,38 @@ class EngineCoreClient(abc.ABC):
         return self._utility(UTILITIES.get_weight_version)
 
     def pause_scheduler(
-        self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
+        self,
+        mode: Literal["abort", "wait", "keep"] = "abort",
+        clear_cache: bool = True,
+        *,
+        reset_connector: bool | None = None,
     ) -> None:
         """Pause the engine's scheduler (see the Trio client's ``pause_scheduler``)."""
-        return self._utility(UTILITIES.pause_scheduler, mode, clear_cache)
+        return self._utility(
+            UTILITIES.pause_scheduler, *trailing_given(mode, clear_cache, reset_connector)
+        )
+
+    def release_kv_cache_memory(self, *, reset_connector: bool | None = None) -> None:
+        """Discard the KV cache memory after a completed pause (see the Trio client's
+        ``release_kv_cache_memory``)."""
+        return self._utility(UTILITIES.release_kv_cache_memory, *trailing_given(reset_connector))
+
+    def is_inference_ready(self) -> bool:
+        """Whether every engine would serve a new request now (vLLM 0.34)."""
+        return self._utility(UTILITIES.is_inference_ready)
+
+    def checkpoint_prepare(self, mode: Literal["abort", "wait", "keep"] = "wait") -> str | None:
+        """Prepare every engine for a process checkpoint (see the Trio client's
+        ``checkpoint_prepare``); the first refusal's reason, or None."""
+        return self._utility(UTILITIES.checkpoint_prepare, mode)
+
+    def checkpoint_restore(self) -> None:
+        """Bring every engine back from a prepared checkpoint."""
+        return self._utility(UTILITIES.checkpoint_restore)
+
+    def checkpoint_state(self) -> tuple[CheckpointState, str | None]:
+        """``(state, error)`` of the engines' process checkpoint, merged."""
+        return self._utility(UTILITIES.checkpoint_state)
 
     def resume_scheduler(self) -> None:
         """Resume the engine's scheduler after :meth:`pause_scheduler`."""

@@ -14,7 +14,7 @@ Sans-IO: nothing here waits or touches a socket, so it is unit-tested synchronou
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar, final, overload
+from typing import Any, Generic, Literal, TypeVar, final, overload
 
 import attrs
 import msgspec
@@ -24,13 +24,19 @@ from ._lb import consensus
 
 __all__ = [
     "UTILITIES",
+    "CheckpointState",
     "UtilitySpec",
     "UtilityTable",
     "agree",
+    "all_ready",
     "combine",
     "convert_each",
     "convert_result",
+    "first_refusal",
+    "merge_checkpoint_states",
+    "sleep_arguments",
     "sum_counts",
+    "trailing_given",
 ]
 
 T = TypeVar("T")
@@ -50,6 +56,59 @@ def agree(method: str, results: Sequence[R]) -> R:
 def sum_counts(method: str, results: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """``(waiting, running)`` pairs summed over the engines."""
     return sum(w for w, _ in results), sum(r for _, r in results)
+
+
+CheckpointState = Literal["running", "preparing", "prepared", "restoring", "failed"]
+"""A vLLM 0.34 engine's process-checkpoint state (it serves only while ``running``)."""
+
+
+def all_ready(method: str, results: Sequence[bool]) -> bool:
+    """Ready only if every engine is."""
+    return all(results)
+
+
+def first_refusal(method: str, results: Sequence[str | None]) -> str | None:
+    """The first engine's reason for refusing (by rank), or None if none refused."""
+    return next((reason for reason in results if reason is not None), None)
+
+
+def merge_checkpoint_states(
+    method: str, results: Sequence[tuple[CheckpointState, str | None]]
+) -> tuple[CheckpointState, str | None]:
+    """One ``(state, error)`` for engines that move through a checkpoint
+    independently, as vLLM 0.34's data-parallel client merges them: ``failed`` if
+    any failed (with the first failed engine's error), else the state they share, else
+    the transition under way (``preparing`` if any engine is, else ``restoring``)."""
+    first: dict[CheckpointState, str | None] = {}
+    for state, error in results:
+        first.setdefault(state, error)
+    if "failed" in first:
+        return "failed", first["failed"]
+    if len(first) == 1:
+        (state,) = first
+        return state, None
+    return ("preparing" if "preparing" in first else "restoring"), None
+
+
+def trailing_given(*args: Any) -> tuple[Any, ...]:
+    """``args`` without their trailing Nones: the arguments the caller gave, so an
+    engine of a release whose utility has fewer parameters still takes the call."""
+    end = len(args)
+    while end and args[end - 1] is None:
+        end -= 1
+    return args[:end]
+
+
+def sleep_arguments(level: int, mode: str | None, reset_connector: bool | None) -> tuple[Any, ...]:
+    """What ``sleep()`` sends: the level, and the mode and ``reset_connector`` given.
+
+    Raises:
+        ValueError: ``reset_connector`` without ``mode`` (vLLM's engines would take
+            a missing mode as an invalid one).
+    """
+    if reset_connector is not None and mode is None:
+        raise ValueError("sleep(): give mode too when giving reset_connector")
+    return trailing_given(level, mode, reset_connector)
 
 
 def _none_is_awake(awake: bool | None) -> bool:
@@ -97,6 +156,15 @@ class UtilityTable:
     is_scheduler_paused: UtilitySpec[bool] = UtilitySpec("is_scheduler_paused", bool)
     get_request_counts: UtilitySpec[tuple[int, int]] = UtilitySpec(
         "get_request_counts", tuple[int, int], rule=sum_counts
+    )
+    release_kv_cache_memory: UtilitySpec[None] = UtilitySpec("release_kv_cache_memory", None)
+    is_inference_ready: UtilitySpec[bool] = UtilitySpec("is_inference_ready", bool, rule=all_ready)
+    checkpoint_prepare: UtilitySpec[str | None] = UtilitySpec(
+        "checkpoint_prepare", str | None, rule=first_refusal
+    )
+    checkpoint_restore: UtilitySpec[None] = UtilitySpec("checkpoint_restore", None)
+    checkpoint_state: UtilitySpec[tuple[CheckpointState, str | None]] = UtilitySpec(
+        "checkpoint_state", tuple[CheckpointState, str | None], rule=merge_checkpoint_states
     )
 
     def __iter__(self) -> Iterator[UtilitySpec[Any]]:

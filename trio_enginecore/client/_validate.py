@@ -43,7 +43,10 @@ _OPTIONAL: Final[tuple[tuple[str, type | tuple[type, ...], str], ...]] = (
 _optional_values: Final = operator.attrgetter(*(name for name, _, _ in _OPTIONAL))
 _INTS: Final = ("priority", "client_index", "current_wave")
 _FLAGS: Final = ("resumable", "abort_immediately")
-_TOKEN_IDS: Final = list[Annotated[int, msgspec.Meta(ge=0)]]
+# vLLM 0.34 sends prompts as int32 arrays; no vocabulary comes near the limit, so
+# every client refuses larger ids whatever the engine's release.
+_MAX_TOKEN_ID: Final = 2**31 - 1
+_TOKEN_IDS: Final = list[Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN_ID)]]
 # Below this many tokens one pass over the types in Python wins; above, msgspec's C.
 _SHORT_PROMPT: Final = 64
 
@@ -129,7 +132,7 @@ def _check_prompt(request: EngineCoreRequest) -> None:
     if not tokens:
         return  # the engine rejects an empty prompt, with its own message
     if len(tokens) <= _SHORT_PROMPT:
-        if set(map(type, tokens)) == {int} and min(tokens) >= 0:
+        if set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= _MAX_TOKEN_ID:
             return
     else:
         try:
@@ -148,6 +151,11 @@ def _check_prompt(request: EngineCoreRequest) -> None:
         if token < 0:
             raise ValueError(
                 f"EngineCoreRequest.prompt_token_ids[{index}] is {token}: token ids are >= 0"
+            )
+        if token > _MAX_TOKEN_ID:
+            raise ValueError(
+                f"EngineCoreRequest.prompt_token_ids[{index}] is {token}: token ids must fit "
+                f"in int32 (at most {_MAX_TOKEN_ID})"
             )
 
 

@@ -46,7 +46,7 @@ from ..protocol import (
     EngineCoreRequestType,
     UtilityRequest,
 )
-from ..serial import Buffer, MsgpackDecoder, MsgpackEncoder
+from ..serial import Buffer, MsgpackDecoder, MsgpackEncoder, request_for
 from ._following import CoordinatorFollower
 from ._ipc_dirs import private_ipc_dir
 from ._launch import EngineHandle, launch_engine, stop_engines
@@ -146,7 +146,11 @@ class ZmqTransport:
     # ------------------------------------------------------------------ sending
 
     def send_add(self, engine: EngineHandle, request: EngineCoreRequest) -> None:
-        self._send([engine.identity, _ADD, *self._encoder.encode(request)])
+        # Each engine gets its own vLLM release's form (a 0.34 engine cannot read a
+        # 0.33 prompt, nor the reverse).
+        self._send(
+            [engine.identity, _ADD, *self._encoder.encode(request_for(engine.dialect, request))]
+        )
 
     def send_abort(self, engine: EngineHandle, request_ids: list[str]) -> None:
         logger.debug("engine rank %d: ABORT %d request(s)", engine.rank, len(request_ids))

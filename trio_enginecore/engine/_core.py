@@ -44,10 +44,12 @@ __all__ = ["EngineCore", "FatalEngineError", "PauseMode", "PrefixCache", "utilit
 
 logger = logging.getLogger("trio_enginecore.engine")
 
-VLLM_COMPAT_VERSION: Final = "0.33.0"
 BLOCK_SIZE: Final = 16
 """Tokens per KV-cache block, as reported in the ready response."""
 PauseMode = Literal["abort", "wait", "keep"]
+CheckpointState = Literal["running", "preparing", "prepared", "restoring", "failed"]
+"""vLLM 0.34's process-checkpoint states; the engine serves only while ``running``."""
+_RESTORED: Final = ("running", "restoring")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -260,6 +262,8 @@ class EngineCore:
         self._paused = False
         self._pause_waiters: list[tuple[int, int]] = []  # (client_index, call_id)
         self._draining_for_pause = False
+        self._checkpoint: CheckpointState = "running"
+        self._checkpoint_error: str | None = None
         self._loras: dict[int, LoRARequest] = {}
         self._pinned_loras: set[int] = set()
         self._weight_version: str | None = None
@@ -602,15 +606,20 @@ class EngineCore:
         return self._sleeping
 
     @utility
-    def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
+    def sleep(
+        self, level: int = 1, mode: PauseMode | None = None, reset_connector: bool = True
+    ) -> None:
         """Stop stepping until :meth:`wake_up`.
 
-        ``mode`` is vLLM 0.33's (its clients always send one): ``"abort"`` aborts the
+        ``mode`` is vLLM's (its clients always send one): ``"abort"`` aborts the
         requests in flight first (their clients get ABORT outputs), ``"keep"`` (and
-        no mode, what this project's clients send) keeps them queued where they are.
-        ``"wait"`` (finish them first) is refused: pause with
-        ``pause_scheduler("wait")`` before sleeping instead.
+        no mode, what this project's clients send by default) keeps them queued where
+        they are. ``"wait"`` (finish them first) is refused: pause with
+        ``pause_scheduler("wait")`` before sleeping instead. ``reset_connector``
+        (vLLM 0.34's clients send it) means nothing here: there is no KV connector.
+        Refused while a process checkpoint is under way, as vLLM 0.34 refuses it.
         """
+        self._refuse_unless_checkpoint("sleep", ("running",))
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if mode == "wait":
@@ -628,8 +637,10 @@ class EngineCore:
 
     @utility
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Resume stepping after :meth:`sleep`; True: fully awake (as vLLM 0.33 answers,
-        whose engines may wake part of their memory at a time)."""
+        """Resume stepping after :meth:`sleep`; True: fully awake (as vLLM answers,
+        whose engines may wake part of their memory at a time). Refused while a
+        process checkpoint is prepared and not restored."""
+        self._refuse_unless_checkpoint("wake up", _RESTORED)
         self._sleeping = False
         self._sleep_level = 0
         return True
@@ -711,14 +722,20 @@ class EngineCore:
         return self._weight_version
 
     @utility
-    def pause_scheduler(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+    def pause_scheduler(
+        self, mode: PauseMode = "abort", clear_cache: bool = True, reset_connector: bool = True
+    ) -> None:
         """Stop scheduling. ``abort``: abort in-flight requests (clients get ABORT);
         ``wait``: let running requests finish first (the reply comes then); ``keep``:
-        freeze in-flight requests where they are. New requests queue until resumed."""
+        freeze in-flight requests where they are. New requests queue until resumed.
+        ``reset_connector`` (vLLM 0.34) means nothing here: there is no KV connector."""
         raise AssertionError("dispatched through _pause_scheduler_call")  # pragma: no cover
 
     def _pause_scheduler_call(self, client_index: int, call_id: int, args: Sequence[Any]) -> Any:
-        mode, clear_cache = _convert_args(EngineCore.pause_scheduler, args)
+        mode, clear_cache, _ = _convert_args(EngineCore.pause_scheduler, args)
+        return self._pause(mode, clear_cache, waiter=(client_index, call_id))
+
+    def _pause(self, mode: PauseMode, clear_cache: bool, waiter: tuple[int, int] | None) -> Any:
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         if self._paused:
@@ -727,11 +744,14 @@ class EngineCore:
             self._abort_all_with_output()
         elif mode == "wait" and self._running:
             self._draining_for_pause = True
-            self._pause_waiters.append((client_index, call_id))
+            if waiter is None:
+                return None
+            self._pause_waiters.append(waiter)
             return _DEFERRED
         self._paused = True
         if clear_cache:
             self.prefix_cache.clear()
+        self._pause_completed()
         return None
 
     def _finish_pause_if_drained(self) -> None:
@@ -741,10 +761,22 @@ class EngineCore:
             for client_index, call_id in self._pause_waiters:
                 self._reply(client_index, call_id, None)
             self._pause_waiters.clear()
+            self._pause_completed()
+
+    def _pause_completed(self) -> None:
+        if self._checkpoint == "preparing":
+            # What vLLM releases before a checkpoint (the KV cache, communicators) has
+            # no counterpart here but the prefix cache.
+            self.prefix_cache.clear()
+            self._checkpoint = "prepared"
 
     @utility
     def resume_scheduler(self) -> None:
-        """Resume scheduling after :meth:`pause_scheduler`."""
+        """Resume scheduling after :meth:`pause_scheduler`. Refused while a process
+        checkpoint is prepared and not restored."""
+        self._refuse_unless_checkpoint("resume scheduling", _RESTORED)
+        if self._checkpoint == "restoring":
+            self._checkpoint = "running"
         self._paused = False
         if self._draining_for_pause:
             # A resume overtakes a pending pause(wait): that call completes now.
@@ -757,6 +789,70 @@ class EngineCore:
     def is_scheduler_paused(self) -> bool:
         """Whether the scheduler is paused."""
         return self._paused
+
+    @utility
+    def release_kv_cache_memory(self, reset_connector: bool = True) -> None:
+        """Discard the KV cache (here: the prefix cache) after a completed pause, as
+        vLLM does; ``reset_connector`` (vLLM 0.34) means nothing here."""
+        if not self._paused or self._running or self._waiting:
+            raise RuntimeError("release_kv_cache_memory() requires a completed pause first")
+        self.prefix_cache.clear()
+
+    @utility
+    def is_inference_ready(self) -> bool:
+        """Whether the engine would serve a new request now: not asleep, not paused
+        and no process checkpoint under way (vLLM 0.34; its Rust frontend asks
+        before it serves)."""
+        return not (self._sleeping or self._paused) and self._checkpoint == "running"
+
+    @utility
+    def checkpoint_prepare(self, mode: PauseMode = "wait") -> str | None:
+        """Get ready for a process checkpoint, as vLLM 0.34 does: pause with ``mode``
+        (``"wait"`` drains the running requests first; new ones queue), then release
+        what a checkpoint must not hold, and the state becomes ``prepared``.
+
+        A reference engine has no device memory or communicators to release: it
+        clears its prefix cache. A checkpoint of the process itself (CRIU and the
+        like) is the caller's to take. Returns why it cannot prepare (nothing
+        changed), or None; repeating is a no-op.
+        """
+        state = self._checkpoint
+        if state in ("preparing", "prepared"):
+            return None
+        if state != "running":
+            return f"Cannot prepare while the checkpoint state is {state}"
+        if self._sleeping:
+            return "Preparing for a checkpoint requires an awake engine"
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        self._checkpoint = "preparing"
+        if self._paused:
+            self._pause_completed()
+        else:
+            self._pause(mode, clear_cache=False, waiter=None)
+        return None
+
+    @utility
+    def checkpoint_restore(self) -> None:
+        """Come back from a prepared checkpoint: resume scheduling; the state becomes
+        ``running``. A no-op unless prepared (or failed: refused)."""
+        state = self._checkpoint
+        if state in _RESTORED:
+            return
+        if state != "prepared":
+            raise RuntimeError(f"Cannot restore while the checkpoint state is {state}")
+        self._checkpoint = "restoring"
+        self.resume_scheduler()
+
+    @utility
+    def checkpoint_state(self) -> tuple[str, str | None]:
+        """``(state, error)``: the process-checkpoint state (``running``,
+        ``preparing``, ``prepared``, ``restoring`` or ``failed``) and why it failed."""
+        return self._checkpoint, self._checkpoint_error
+
+    def _refuse_unless_checkpoint(self, what: str, states: Sequence[str]) -> None:
+        if self._checkpoint not in states:
+            raise RuntimeError(f"Cannot {what} while the checkpoint state is {self._checkpoint}")
 
     @utility
     def get_request_counts(self) -> tuple[int, int]:
@@ -779,7 +875,7 @@ class EngineCore:
             block_size=BLOCK_SIZE,
             dp_stats_address=None,
             dtype="float32",
-            vllm_version=VLLM_COMPAT_VERSION,
+            vllm_version=config.vllm_version,
             world_size=1,
             data_parallel_size=config.data_parallel_size,
             tensor_parallel_size=1,

@@ -52,6 +52,7 @@ from .._addresses import connect_address
 from .._curve import CurveClient
 from .._zmq import Frames, TrioSocket, make_socket
 from ..config import EngineConfig
+from ..dialects import choose_dialect
 from ..errors import AddressError, EngineStartupError, ProtocolError
 from ..protocol import (
     COORDINATOR_READY,
@@ -70,7 +71,7 @@ from ..protocol import (
     UtilityRequest,
     identity_for_rank,
 )
-from ..serial import MsgpackDecoder, MsgpackEncoder
+from ..serial import MsgpackDecoder, MsgpackEncoder, outputs_for, ready_for
 from ._core import EngineCore, FatalEngineError
 from ._waves import EngineWaveState
 
@@ -240,6 +241,9 @@ class EngineCoreProc:
         self.core = core if core is not None else EngineCore(config)
         self._ctx = ctx
         self._encoder = MsgpackEncoder()
+        # The release the engine presents itself as decides the form of what it
+        # writes; it reads requests of every release.
+        self._dialect = choose_dialect(config.vllm_version).dialect
         self._request_decoder = MsgpackDecoder(EngineCoreRequest)
         self._abort_decoder = MsgpackDecoder(list[str])
         self._utility_decoder = MsgpackDecoder(UtilityRequest)
@@ -307,7 +311,7 @@ class EngineCoreProc:
                     self._connect(zmq.PUSH, address, linger_ms=OUTPUT_LINGER_MS, role="output")
                 )
             self._epochs = [0] * len(self._outputs)
-            ready = self._encoder.encode(self.core.ready_response())
+            ready = self._encoder.encode(ready_for(self._dialect, self.core.ready_response()))
             for index, address in enumerate(addresses.inputs):
                 if reattach:
                     output = addresses.outputs[index] if index < len(addresses.outputs) else None
@@ -602,7 +606,7 @@ class EngineCoreProc:
                 )
             if link.connection != connection or not link.connected:
                 return  # that client left meanwhile (or another one came): start over
-        ready = self._encoder.encode(self.core.ready_response())
+        ready = self._encoder.encode(ready_for(self._dialect, self.core.ready_response()))
         # From here on input is the new client's; it sends nothing before this message.
         link.attached = True
         try:
@@ -779,7 +783,7 @@ class EngineCoreProc:
             return
         sock = self._outputs[client_index]
         try:
-            await sock.send_multipart(self._encoder.encode(outputs))
+            await sock.send_multipart(self._encoder.encode(outputs_for(self._dialect, outputs)))
         except trio.ClosedResourceError:
             if sock is self._outputs[client_index]:
                 raise

@@ -200,6 +200,7 @@ _SET: dict[str, object] = {
     "spec_decode_metrics": "spec",
     "prompt_token_id_logprobs": "ptl",
     "error": RequestError("code", "message"),
+    "watermarking": True,
 }
 
 

@@ -1292,3 +1292,21 @@ def test_release_kv_cache_memory_needs_a_completed_pause() -> None:
     step_outputs(engine)
     assert result_of(engine, "release_kv_cache_memory", True) is None
     assert result_of(engine, "release_kv_cache_memory") is None  # 0.33: no argument
+
+
+def test_block_hashes_a_frontend_sends_are_never_trusted() -> None:
+    # vLLM 0.34 lets a frontend name a prompt's cached blocks by hash; the reference
+    # engine keys its prefix cache by the prompt itself, so a forged hash aliases
+    # nothing.
+    engine = engine_with()
+    forged = [b"\x00" * 32]
+    first = msgspec.structs.replace(req("a", [1, 2, 3], max_tokens=1), block_hashes=forged)
+    engine.add_request(first)
+    run_to_completion(engine)
+    assert [1, 2, 3] in engine.prefix_cache
+    other = msgspec.structs.replace(req("b", [7, 8, 9], max_tokens=1), block_hashes=forged)
+    engine.add_request(other)
+    assert [7, 8, 9] not in engine.prefix_cache  # the same hashes found no entry
+    tokens, _ = run_to_completion(engine)
+    assert tokens == {"b": [10]}
+    assert len(engine.prefix_cache) == 2

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import trio
 
+from trio_enginecore.dialects import NEWEST
 from trio_enginecore.engine import CounterModel
 from trio_enginecore.protocol import (
     EngineCoreRequestType,
@@ -35,7 +36,7 @@ async def test_200_concurrent_requests_complete_with_exact_counter_sequences(
         async with running_engine("--max-num-seqs", "64", handshake=handshake) as peer:
             assert peer.ready is not None
             assert peer.ready.max_num_seqs == 64
-            assert peer.ready.vllm_version == "0.33.0"
+            assert peer.ready.vllm_version == NEWEST.tested_version
             for rid, prompt in prompts.items():
                 await peer.add(make_request(rid, prompt, max_tokens=16))
             results = await peer.collect(set(prompts))

@@ -75,7 +75,7 @@ class UtilityParameters:
 
 
 @final
-@attrs.frozen
+@attrs.frozen(repr=False)
 class Dialect:
     """The wire form of one vLLM release (see the module docstring)."""
 
@@ -100,6 +100,10 @@ class Dialect:
         """``"vLLM 0.34"``."""
         return f"vLLM {self.release[0]}.{self.release[1]}"
 
+    def __repr__(self) -> str:
+        # The name of its entry in this module, not the whole table.
+        return f"VLLM_{self.release[0]}_{self.release[1]}"
+
     def utility_problem(self, method: str, count: int) -> str | None:
         """Why an engine of this release cannot take ``method`` with ``count``
         arguments (``"vLLM 0.33, which has no utility ..."``), or None if it can (or
@@ -122,7 +126,7 @@ _UTILITIES_0_33: Final[Mapping[str, UtilityParameters]] = {
     "pause_scheduler": UtilityParameters(("mode", "clear_cache")),
 }
 
-VLLM_0_33: Final = Dialect(
+VLLM_0_33: Final[Dialect] = Dialect(
     release=(0, 33),
     tested_version="0.33.0",
     packed_prompts=False,
@@ -133,7 +137,7 @@ VLLM_0_33: Final = Dialect(
 )
 """vLLM 0.33: prompts as lists of ints."""
 
-VLLM_0_34: Final = Dialect(
+VLLM_0_34: Final[Dialect] = Dialect(
     release=(0, 34),
     tested_version="0.34.0",
     packed_prompts=True,
@@ -155,8 +159,12 @@ VLLM_0_34: Final = Dialect(
 
 DIALECTS: Final[tuple[Dialect, ...]] = (VLLM_0_33, VLLM_0_34)
 """Every supported release, oldest first."""
-OLDEST: Final = DIALECTS[0]
-NEWEST: Final = DIALECTS[-1]
+OLDEST: Final[Dialect] = DIALECTS[0]
+"""The oldest supported release's dialect (an engine whose ready message names no
+version is spoken to in it)."""
+NEWEST: Final[Dialect] = DIALECTS[-1]
+"""The newest supported release's dialect (releases newer than every known one are
+spoken to in it, with a warning)."""
 
 
 def _introduced_in(method: str) -> Dialect | None:
@@ -175,8 +183,8 @@ class DialectChoice:
     version: str
     """The version the engine announced."""
     untested: bool
-    """The release is newer than every known one: :attr:`dialect` is the newest
-    known, which may not be what it speaks."""
+    """The release is not in the table (newer than every known one): ``dialect`` is
+    the newest known one before it, which may not be all it speaks."""
 
     def warning(self) -> str | None:
         """The warning to log once for an untested release, else None."""

@@ -72,6 +72,7 @@ def merge_outputs(older: EngineCoreOutput, newer: EngineCoreOutput) -> EngineCor
         and newer.spec_decode_metrics is None
         and newer.prompt_token_id_logprobs is None
         and newer.error is None
+        and newer.watermarking is None
     ):
         # Nothing but tokens and how they ended, the common case by far (a stream whose
         # reader fell behind merges one such delta per token): the rest of the rule
@@ -101,6 +102,7 @@ def merge_outputs(older: EngineCoreOutput, newer: EngineCoreOutput) -> EngineCor
         "spec_decode_metrics",
         "prompt_token_id_logprobs",
         "error",
+        "watermarking",  # vLLM 0.34 sends it on a request's first output only
     ):
         value = getattr(newer, name)
         if value is not None:

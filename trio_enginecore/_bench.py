@@ -137,8 +137,10 @@ async def measure_generate(
     duration_s: float,
     mode: Mode,
     progress: ProgressLine | None = None,
+    prompt_len: int = 8,
 ) -> dict[str, Any]:
-    """Closed loop: keep ``concurrency`` requests of ``tokens`` tokens in flight.
+    """Closed loop: keep ``concurrency`` requests of ``tokens`` tokens (after prompts of
+    ``prompt_len`` tokens) in flight.
 
     Runs for ``duration_s`` seconds; every request that finishes is replaced by a new
     one. Requests still in flight at the deadline are aborted; only tokens received
@@ -170,7 +172,7 @@ async def measure_generate(
         async def worker() -> None:
             nonlocal tokens_seen
             while trio.current_time() < deadline:
-                request = make_request(next_id(), tokens)
+                request = make_request(next_id(), tokens, prompt_len)
                 started = trio.current_time()
                 async with client.stream(request) as outputs:
                     async for output in outputs:
@@ -189,7 +191,7 @@ async def measure_generate(
         started_at: dict[str, float] = {}
         with trio.move_on_at(deadline):
             for _ in range(concurrency):
-                request = make_request(next_id(), tokens)
+                request = make_request(next_id(), tokens, prompt_len)
                 started_at[request.request_id] = trio.current_time()
                 await client.add_request(request)
             async with trio.open_nursery() as nursery:
@@ -207,7 +209,7 @@ async def measure_generate(
                         if output.finish_reason is not None:
                             now = trio.current_time()
                             latencies.append(now - started_at.pop(output.request_id))
-                            request = make_request(next_id(), tokens)
+                            request = make_request(next_id(), tokens, prompt_len)
                             started_at[request.request_id] = now
                             replacements.append(request)
                     if replacements:

@@ -26,6 +26,7 @@ its own.
 from __future__ import annotations
 
 import math
+import struct
 import typing
 import warnings
 from collections.abc import Sequence
@@ -95,13 +96,33 @@ def request_for(dialect: Dialect, request: EngineCoreRequest) -> object:
         return msgspec.structs.astuple(request)[:fields]
     values = list(msgspec.structs.astuple(request)[:fields])
     try:
-        values[1] = np.array(prompt, dtype=np.int32)
-    except OverflowError:
+        # struct packs a list of ints twice as fast as numpy converts one (6 µs
+        # against 14 for 1024 tokens); the array then views the bytes.
+        packed = struct.pack(f"<{len(prompt)}i", *prompt)
+    except struct.error:
         raise ValueError(
             f"EngineCoreRequest.prompt_token_ids holds a token id out of int32 range "
             f"({dialect.name} engines take int32 token ids)"
         ) from None
+    if len(packed) < DEFAULT_SIZE_THRESHOLD:
+        # Inline, as vLLM's clients send it, written here rather than by the encoder's
+        # array hook: a third of the cost of a short prompt.
+        values[1] = ("<i4", (len(prompt),), msgspec.msgpack.Ext(EXT_RAW_VIEW, packed))
+    else:
+        values[1] = _AuxFrame("<i4", len(prompt), packed)
     return values
+
+
+class _AuxFrame:
+    """Bytes ready to go as one aux frame of a 1-d array (see ``request_for``): the
+    encoder's hook sends them as they are, with no array view to build."""
+
+    __slots__ = ("count", "data", "dtype")
+
+    def __init__(self, dtype: str, count: int, data: bytes) -> None:
+        self.dtype = dtype
+        self.count = count
+        self.data = data
 
 
 def outputs_for(dialect: Dialect, outputs: EngineCoreOutputs) -> object:
@@ -183,6 +204,11 @@ class MsgpackEncoder:
             return self._encode_array(array.dtype.str, array)
         if isinstance(obj, Tensor):
             return self._encode_array(obj.dtype, obj.array)
+        if isinstance(obj, _AuxFrame):
+            frames = self._frames
+            assert frames is not None, "the hook only runs inside encode()"
+            frames.append(obj.data)
+            return obj.dtype, (obj.count,), len(frames) - 1
         if isinstance(obj, UtilityResult):
             return (obj.type_info, obj.result)
         raise TypeError(

@@ -644,7 +644,11 @@ def test_sleep_freezes_stepping_and_wake_up_continues_exactly_where_it_was() -> 
 def test_sleep_accepts_levels_one_and_two_only() -> None:
     engine = engine_with()
     assert result_of(engine, "sleep", 2) is None
-    assert result_of(engine, "wake_up", ["weights"]) is True
+    # As vLLM answers: waking part of the memory leaves the engine asleep.
+    assert result_of(engine, "wake_up", ["weights"]) is False
+    assert result_of(engine, "is_sleeping") is True
+    assert result_of(engine, "wake_up", ["scheduling", "kv_cache"]) is True
+    assert result_of(engine, "is_scheduler_paused") is False
     reply = call(engine, "sleep", 3)
     assert reply.result is None
     assert reply.failure_message == "Call to sleep method failed: sleep level must be 1 or 2, got 3"
@@ -1220,6 +1224,7 @@ def test_is_inference_ready_is_false_while_asleep_paused_or_in_a_checkpoint() ->
     assert result_of(engine, "is_inference_ready") is True
     assert result_of(engine, "sleep", 1) is None
     assert result_of(engine, "is_inference_ready") is False
+    assert result_of(engine, "is_scheduler_paused") is True  # sleeping pauses, as in vLLM
     assert result_of(engine, "wake_up") is True
     assert result_of(engine, "pause_scheduler", "keep") is None
     assert result_of(engine, "is_inference_ready") is False
@@ -1291,7 +1296,16 @@ def test_release_kv_cache_memory_needs_a_completed_pause() -> None:
     assert result_of(engine, "pause_scheduler", "abort", True, True) is None  # 0.34: 3 args
     step_outputs(engine)
     assert result_of(engine, "release_kv_cache_memory", True) is None
+    # As vLLM: the KV cache is asleep now; waking it resumes the engine.
+    assert result_of(engine, "is_sleeping") is True
+    assert "requires all executor memory" in str(call(engine, "release_kv_cache_memory"))
+    assert result_of(engine, "wake_up", ["kv_cache"]) is True
+    assert result_of(engine, "is_scheduler_paused") is False
+    assert result_of(engine, "pause_scheduler", "keep") is None
     assert result_of(engine, "release_kv_cache_memory") is None  # 0.33: no argument
+    assert result_of(engine, "wake_up") is True
+    engine.add_request(req("b", [5], max_tokens=2))
+    assert run_to_completion(engine)[0] == {"b": [6, 7]}
 
 
 def test_block_hashes_a_frontend_sends_are_never_trusted() -> None:

@@ -99,6 +99,7 @@ class FakeEngine:
         self._sleeping = False
         self._profiling = False
         self._paused = False
+        self._checkpoint = "running"
         self._weight_version: str | None = None
         self._loras: set[int] = set()
         self.client: TrioEngineClient | None = None
@@ -182,10 +183,24 @@ class FakeEngine:
         # (minus the model): an application's calls work under the fake unchanged.
         def sleep(level: int = 1, *_: Any) -> None:
             self._sleeping = True
+            self._paused = True
 
         def wake_up(tags: Any = None) -> bool:
             self._sleeping = False
+            self._paused = False
             return True
+
+        def checkpoint_prepare(mode: str = "wait") -> str | None:
+            if self._checkpoint == "running" and self._sleeping:
+                return "Preparing for a checkpoint requires an awake engine"
+            self._checkpoint = "prepared"
+            self._paused = True
+            return None
+
+        def checkpoint_restore() -> None:
+            if self._checkpoint == "prepared":
+                self._checkpoint = "running"
+                self._paused = False
 
         def profile(is_start: bool = True, *_: Any) -> None:
             if is_start == self._profiling:
@@ -218,7 +233,7 @@ class FakeEngine:
             self._weight_version = version
 
         return {
-            "is_sleeping": lambda: self._sleeping,
+            "is_sleeping": lambda: self._sleeping or self._paused,
             "sleep": sleep,
             "wake_up": wake_up,
             "profile": profile,
@@ -235,6 +250,11 @@ class FakeEngine:
             "pause_scheduler": set_paused(True),
             "resume_scheduler": set_paused(False),
             "is_scheduler_paused": lambda: self._paused,
+            "release_kv_cache_memory": lambda *args: None,
+            "is_inference_ready": lambda: not (self._sleeping or self._paused),
+            "checkpoint_prepare": checkpoint_prepare,
+            "checkpoint_restore": checkpoint_restore,
+            "checkpoint_state": lambda: (self._checkpoint, None),
         }
 
 

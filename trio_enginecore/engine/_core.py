@@ -257,8 +257,9 @@ class EngineCore:
         self._pending_outputs: list[EngineCoreOutput] = []
         self._pending_clients: list[int] = []
         self._utility_outputs: list[tuple[int, UtilityOutput]] = []
-        self._sleeping = False
-        self._sleep_level = 0
+        self._asleep: set[str] = set()
+        """What vLLM's executor would have put to sleep: ``weights`` and ``kv_cache``
+        after :meth:`sleep`, ``kv_cache`` after :meth:`release_kv_cache_memory`."""
         self._paused = False
         self._pause_waiters: list[tuple[int, int]] = []  # (client_index, call_id)
         self._draining_for_pause = False
@@ -423,7 +424,7 @@ class EngineCore:
         """True if :meth:`step` would make progress or has something to send."""
         if self._pending_outputs:
             return True
-        if self._sleeping or self._paused:
+        if self._asleep or self._paused:
             return False
         return bool(self._running) or (bool(self._waiting) and not self._draining_for_pause)
 
@@ -442,7 +443,7 @@ class EngineCore:
         outputs = self._pending_outputs
         clients = self._pending_clients
         self._pending_outputs, self._pending_clients = [], []
-        if not (self._sleeping or self._paused):
+        if not (self._asleep or self._paused):
             self._schedule(now)
             if self._running:
                 self._run_model(now, outputs, clients)
@@ -602,14 +603,17 @@ class EngineCore:
 
     @utility
     def is_sleeping(self) -> bool:
-        """Whether the engine is asleep (not stepping)."""
-        return self._sleeping
+        """Whether the engine is asleep at any level, as vLLM answers: its scheduler
+        is paused (:meth:`sleep` pauses it; so does :meth:`pause_scheduler`), or part
+        of its memory is asleep."""
+        return self._paused or bool(self._asleep)
 
     @utility
     def sleep(
         self, level: int = 1, mode: PauseMode | None = None, reset_connector: bool = True
     ) -> None:
-        """Stop stepping until :meth:`wake_up`.
+        """Pause the scheduler and put the engine's memory to sleep until
+        :meth:`wake_up`, as vLLM does.
 
         ``mode`` is vLLM's (its clients always send one): ``"abort"`` aborts the
         requests in flight first (their clients get ABORT outputs), ``"keep"`` (and
@@ -629,20 +633,29 @@ class EngineCore:
             )
         if mode == "abort":
             self._abort_all_with_output()
-        self._sleeping = True
-        self._sleep_level = level
+        self._paused = True
+        self._asleep = {"weights", "kv_cache"}
         if level == 2:
             # Level 2 discards weights in vLLM; our closest analogue is the cache.
             self.prefix_cache.clear()
 
     @utility
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Resume stepping after :meth:`sleep`; True: fully awake (as vLLM answers,
-        whose engines may wake part of their memory at a time). Refused while a
-        process checkpoint is prepared and not restored."""
+        """Wake the memory ``tags`` names (``weights``, ``kv_cache``; all of it
+        without tags) and, once all of it is awake, resume the scheduler, as vLLM does.
+
+        Returns whether the engine is fully awake. A ``"scheduling"`` tag (vLLM's
+        level-0 wake-up) wakes no memory. Refused while a process checkpoint is
+        prepared and not restored.
+        """
         self._refuse_unless_checkpoint("wake up", _RESTORED)
-        self._sleeping = False
-        self._sleep_level = 0
+        if tags is None:
+            self._asleep.clear()
+        else:
+            self._asleep.difference_update(tags)
+        if self._asleep:
+            return False
+        self.resume_scheduler()
         return True
 
     @utility
@@ -768,6 +781,7 @@ class EngineCore:
             # What vLLM releases before a checkpoint (the KV cache, communicators) has
             # no counterpart here but the prefix cache.
             self.prefix_cache.clear()
+            self._asleep.add("kv_cache")
             self._checkpoint = "prepared"
 
     @utility
@@ -796,14 +810,19 @@ class EngineCore:
         vLLM does; ``reset_connector`` (vLLM 0.34) means nothing here."""
         if not self._paused or self._running or self._waiting:
             raise RuntimeError("release_kv_cache_memory() requires a completed pause first")
+        if self._asleep:
+            raise RuntimeError(
+                "release_kv_cache_memory() requires all executor memory to be resident"
+            )
         self.prefix_cache.clear()
+        self._asleep.add("kv_cache")
 
     @utility
     def is_inference_ready(self) -> bool:
         """Whether the engine would serve a new request now: not asleep, not paused
         and no process checkpoint under way (vLLM 0.34; its Rust frontend asks
         before it serves)."""
-        return not (self._sleeping or self._paused) and self._checkpoint == "running"
+        return not self.is_sleeping() and self._checkpoint == "running"
 
     @utility
     def checkpoint_prepare(self, mode: PauseMode = "wait") -> str | None:
@@ -821,7 +840,7 @@ class EngineCore:
             return None
         if state != "running":
             return f"Cannot prepare while the checkpoint state is {state}"
-        if self._sleeping:
+        if self._asleep:
             return "Preparing for a checkpoint requires an awake engine"
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
@@ -834,15 +853,16 @@ class EngineCore:
 
     @utility
     def checkpoint_restore(self) -> None:
-        """Come back from a prepared checkpoint: resume scheduling; the state becomes
-        ``running``. A no-op unless prepared (or failed: refused)."""
+        """Come back from a prepared checkpoint: wake the KV cache and resume
+        scheduling; the state becomes ``running``. A no-op unless prepared (or
+        failed: refused)."""
         state = self._checkpoint
         if state in _RESTORED:
             return
         if state != "prepared":
             raise RuntimeError(f"Cannot restore while the checkpoint state is {state}")
         self._checkpoint = "restoring"
-        self.resume_scheduler()
+        self.wake_up(["kv_cache"])  # all awake: resumes scheduling, and so running
 
     @utility
     def checkpoint_state(self) -> tuple[str, str | None]:

@@ -2,17 +2,19 @@
 
 A bare ``nox`` runs the default set: lint, typecheck, tests and docs. ``nox -l`` lists
 every session with its description. ``nox -s interop`` (not in the default set) runs
-the tests against real vLLM 0.33.0; ``nox -s ray`` (not in it either) the tests of
-engines placed by Ray.
+the tests against real vLLM, once for each release (0.33.0 and 0.34.0); ``nox -s ray``
+(not in it either) the tests of engines placed by Ray.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -95,15 +97,16 @@ def bench(session: nox.Session) -> None:
     """The side-by-side benchmark (Trio vs vLLM's AsyncMPClient, asyncio, blocking pyzmq).
 
     Writes benchmarks/results/results.{json,md,png}. vLLM 0.33's real ``AsyncMPClient``
-    is measured when the interop environment that ``nox -s interop`` builds is complete
-    (nothing is built here); without it the report says so. ``-- --quick`` is a smoke
-    run: it writes a new temporary directory instead (named on stderr), never the
-    committed results; ``-- --out DIR`` writes DIR, for either. ``-- --redraw
-    benchmarks/results/results.json`` only draws the chart again.
+    is measured when the vLLM 0.33 environment that ``nox -s "interop(vllm='0.33')"``
+    builds is complete (nothing is built here, and the 0.34 environment is never used:
+    benchmarks/vllm_worker.py is written for 0.33); without it the report says so.
+    ``-- --quick`` is a smoke run: it writes a new temporary directory instead (named
+    on stderr), never the committed results; ``-- --out DIR`` writes DIR, for either.
+    ``-- --redraw benchmarks/results/results.json`` only draws the chart again.
     """
     session.install("-e", ".", *_group("bench"))
     vllm = []
-    env_dir = _vllm_env_dir()
+    env_dir = _vllm_env_dir(BENCH_VLLM_RELEASE)
     if (env_dir / "recipe.json").exists():
         vllm = ["--vllm-python", str(env_dir / "bin" / "python")]
     else:
@@ -111,79 +114,144 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.run", *vllm, *session.posargs)
 
 
-# The CPU-only vLLM 0.33.0 environment of the interop session: vLLM's engine core and
-# clients run for real, only the model executor is ours (tests/interop/vllm_side/).
-# vLLM pins a CUDA torch: the CPU build is installed first and vLLM itself without its
-# dependencies, then only what the engine-core and client imports need. xgrammar
-# without its dependencies too (its triton is about 1 GB and GPU-only). Any change
-# here changes the environment's directory name, so the next run builds it afresh.
+@nox.session
+def bench_releases(session: nox.Session) -> None:
+    """The Trio client's CPU per token against an engine of each vLLM release (0.33's
+    prompts as lists, 0.34's packed as int32 arrays), alternating in one run.
+
+    Writes benchmarks/results/releases.{json,md}; ``-- --rounds N --duration-s S``
+    (5 rounds of 2 s by default: about 2 minutes on 2 cores), ``-- --out DIR``.
+    """
+    session.install("-e", ".")
+    session.run("python", "-m", "benchmarks.releases", *session.posargs)
+
+
+# The CPU-only vLLM environments of the interop session, one per vLLM release: vLLM's
+# engine core and clients run for real, only the model executor is ours
+# (tests/interop/vllm_side/). vLLM pins a CUDA torch: the CPU build is installed first
+# and vLLM itself without its dependencies, then only what the engine-core and client
+# imports need. xgrammar without its dependencies too (its triton is about 1 GB and
+# GPU-only). Any change to a release's recipe changes its environment's directory
+# name, so the next run builds that one afresh.
 VLLM_ENV_PYTHON = "3.11"  # the CPU torch wheel is cp311
-VLLM_ENV_RECIPE: dict[str, list[str]] = {
-    "torch": ["torch==2.13.0+cpu"],
-    "deps": [
-        "packaging",
-        "numpy",
-        "msgspec",
-        "pyzmq>=25",
-        "cloudpickle",
-        "psutil",
-        "pydantic>=2.12",
-        "pillow>=13",
-        "regex",
-        "cbor2",
-        "cachetools",
-        "pybase64",
-        "py-cpuinfo",
-        "uvloop",
-        "prometheus_client>=0.18",
-        "partial-json-parser",
-        "requests>=2.33",
-        "transformers>=5.16.1,<5.21",
-        "huggingface_hub>=1.31",
-        "tokenizers>=0.23.2",
-        "aiohttp>=3.14.4",
-        "openai>=2.25",
-        "oss-harmony>=0.0.11",
-        "fastapi>=0.133,<0.137",
-        "starlette>=1.0.1",
-        "llguidance>=1.7,<1.8",
-        "apache-tvm-ffi==0.1.11",
-        "einops",
-    ],
-    "no_deps": ["vllm==0.33.0", "xgrammar==0.2.8"],
+_VLLM_033_DEPS = [
+    "packaging",
+    "numpy",
+    "msgspec",
+    "pyzmq>=25",
+    "cloudpickle",
+    "psutil",
+    "pydantic>=2.12",
+    "pillow>=13",
+    "regex",
+    "cbor2",
+    "cachetools",
+    "pybase64",
+    "py-cpuinfo",
+    "uvloop",
+    "prometheus_client>=0.18",
+    "partial-json-parser",
+    "requests>=2.33",
+    "transformers>=5.16.1,<5.21",
+    "huggingface_hub>=1.31",
+    "tokenizers>=0.23.2",
+    "aiohttp>=3.14.4",
+    "openai>=2.25",
+    "oss-harmony>=0.0.11",
+    "fastapi>=0.133,<0.137",
+    "starlette>=1.0.1",
+    "llguidance>=1.7,<1.8",
+    "apache-tvm-ffi==0.1.11",
+    "einops",
+]
+# What vLLM 0.34.0 raised of what these environments install (filelock comes with torch).
+_VLLM_034_RAISED = [
+    "transformers>=5.16.1,<5.23.0",
+    "huggingface_hub>=2.0.0",
+    "tokenizers>=0.23.3",
+    "filelock>=4.2.4",
+]
+
+
+def _raise_requirements(deps: list[str], raised: list[str]) -> list[str]:
+    """``deps`` with each requirement of ``raised`` put in place of the one of the same
+    project (appended where ``deps`` has none)."""
+
+    def project(requirement: str) -> str:
+        return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    new = {project(requirement): requirement for requirement in raised}
+    result = [new.pop(project(requirement), requirement) for requirement in deps]
+    return result + list(new.values())
+
+
+VLLM_RECIPES: dict[str, dict[str, list[str]]] = {
+    "0.33": {
+        "torch": ["torch==2.13.0+cpu"],
+        "deps": _VLLM_033_DEPS,
+        "no_deps": ["vllm==0.33.0", "xgrammar==0.2.8"],
+    },
+    # vLLM 0.34 still pins torch 2.14.0; CPU torch 2.13.0 serves the engine core as it
+    # does for 0.33. Its CPU platform refuses to build a config on x86 without Triton:
+    # the tests answer that check themselves (tests/interop/vllm_side/triton_check.py).
+    "0.34": {
+        "torch": ["torch==2.13.0+cpu"],
+        "deps": _raise_requirements(_VLLM_033_DEPS, _VLLM_034_RAISED),
+        "no_deps": ["vllm==0.34.0", "xgrammar==0.2.8"],
+    },
 }
+VLLM_RELEASES = list(VLLM_RECIPES)
+BENCH_VLLM_RELEASE = "0.33"  # benchmarks/vllm_worker.py is written for 0.33's client
 _VLLM_ENV_CHECK = (
     "from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient; "
     "from vllm.v1.engine.core import EngineCoreProc; "
     "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 )
+# Environments named before there was more than one release: .nox/vllm-<hash>, 0.33's.
+_UNVERSIONED_ENV = re.compile(r"vllm-[0-9a-f]{12}")
 
 
-def _vllm_env_dir() -> Path:
-    """Where the vLLM environment of the current recipe lives: ``.nox/vllm-<hash>``."""
-    recipe = {"python": VLLM_ENV_PYTHON, **VLLM_ENV_RECIPE}
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(".nox").resolve() / f"vllm-{digest}"
+def _vllm_recipe(release: str) -> dict[str, Any]:
+    return {"python": VLLM_ENV_PYTHON, **VLLM_RECIPES[release]}
 
 
-def _vllm_env(session: nox.Session) -> Path:
-    """The vLLM environment's directory, built unless a complete one is cached.
+def _vllm_env_dir(release: str) -> Path:
+    """Where the environment of ``release``'s current recipe lives:
+    ``.nox/vllm-<release>-<hash of the recipe>``."""
+    recipe = json.dumps(_vllm_recipe(release), sort_keys=True).encode()
+    digest = hashlib.sha256(recipe).hexdigest()[:12]
+    return Path(".nox").resolve() / f"vllm-{release}-{digest}"
 
-    It lives in ``.nox/vllm-<hash of the recipe>``; a build that did not finish leaves
-    no ``recipe.json`` and is built again, and environments of older recipes are
-    removed (2.2 GB each).
+
+def _built_vllm_pythons() -> dict[str, str]:
+    """The Python of every release whose environment is complete (built already)."""
+    return {
+        release: str(_vllm_env_dir(release) / "bin" / "python")
+        for release in VLLM_RELEASES
+        if (_vllm_env_dir(release) / "recipe.json").exists()
+    }
+
+
+def _vllm_env(session: nox.Session, release: str) -> Path:
+    """The Python of ``release``'s vLLM environment, built unless a complete one is cached.
+
+    It lives in ``.nox/vllm-<release>-<hash of the recipe>``; a build that did not
+    finish leaves no ``recipe.json`` and is built again. Environments of the same
+    release's older recipes are removed (2.2 GB each), never another release's.
     """
-    recipe = {"python": VLLM_ENV_PYTHON, **VLLM_ENV_RECIPE}
-    target = _vllm_env_dir()
-    cache = target.parent
+    recipe = _vllm_recipe(release)
+    target = _vllm_env_dir(release)
     python = target / "bin" / "python"
     marker = target / "recipe.json"
     if marker.exists():
-        session.log(f"reusing the vLLM environment {target}")
+        session.log(f"reusing the vLLM {release} environment {target}")
         return python
-    for stale in cache.glob("vllm-*"):
-        session.log(f"removing {stale}")
-        shutil.rmtree(stale)
+    stale = [path for path in target.parent.glob(f"vllm-{release}-*") if path != target]
+    if release == "0.33":
+        stale += [p for p in target.parent.glob("vllm-*") if _UNVERSIONED_ENV.fullmatch(p.name)]
+    for path in stale:
+        session.log(f"removing {path}")
+        shutil.rmtree(path)
     start = time.monotonic()
     # The stdlib venv gives the environment its own pip: pip (not uv) resolves the CPU
     # torch from this machine's find-links, where uv would fetch a CUDA build.
@@ -196,24 +264,38 @@ def _vllm_env(session: nox.Session) -> Path:
     )
     elapsed = time.monotonic() - start
     marker.write_text(json.dumps({**recipe, "build_seconds": round(elapsed)}, indent=2) + "\n")
-    session.log(f"built the vLLM environment {target} in {elapsed:.0f} s")
+    session.log(f"built the vLLM {release} environment {target} in {elapsed:.0f} s")
     return python
 
 
 @nox.session(python=VLLM_ENV_PYTHON)
-def interop(session: nox.Session) -> None:
-    """Interop tests against real vLLM 0.33.0 (CPU-only; not part of the default run).
+@nox.parametrize("vllm", VLLM_RELEASES)
+def interop(session: nox.Session, vllm: str) -> None:
+    """Interop tests against real vLLM (CPU-only; not part of the default run).
 
-    Builds (once; then reused) a separate environment with vLLM 0.33.0 and a CPU
-    torch, then runs tests/interop: vLLM's own clients and engine core, in that
-    environment's processes, against ours in this session's, over ZeroMQ only. The
-    first run downloads about 500 MB and takes a few minutes.
+    One session per vLLM release (``nox -s "interop(vllm='0.34')"``); ``nox -s interop``
+    runs every release's in turn, oldest first. Each builds (once; then reused) a
+    separate environment with that vLLM and a CPU torch, then runs tests/interop:
+    vLLM's own clients and engine core, in that environment's processes, against ours
+    in this session's, over ZeroMQ only. A first build downloads about 500 MB and
+    takes a few minutes.
+
+    The tests get the release's Python in ``TRIO_ENGINECORE_VLLM_PYTHON``, the release
+    in ``TRIO_ENGINECORE_VLLM_RELEASE`` and, in ``TRIO_ENGINECORE_VLLM_PYTHONS``, a
+    JSON object of the Python of every release whose environment is built already
+    (this one's included): a test that needs two releases at once skips unless both
+    are there. No session builds another release's environment; ``nox -s interop``
+    has built the older one by the time the newer one's session runs.
     """
-    vllm_python = _vllm_env(session)
+    vllm_python = _vllm_env(session, vllm)
     session.install("-e", ".", *_group("test"))
     session.run(
         "pytest",
         "tests/interop",
         *session.posargs,
-        env={"TRIO_ENGINECORE_VLLM_PYTHON": str(vllm_python)},
+        env={
+            "TRIO_ENGINECORE_VLLM_PYTHON": str(vllm_python),
+            "TRIO_ENGINECORE_VLLM_RELEASE": vllm,
+            "TRIO_ENGINECORE_VLLM_PYTHONS": json.dumps(_built_vllm_pythons(), sort_keys=True),
+        },
     )

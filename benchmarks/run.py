@@ -13,7 +13,7 @@ builds), ``asyncio`` (vLLM's client design with our codec), ``asyncio-stream``
 (per-request streams served as vLLM's ``AsyncLLM`` serves them, on ``asyncio``) and
 ``blocking`` (blocking pyzmq, no event loop). The ``vllm`` client is measured when the
 vLLM environment is found: ``--vllm-python``, else ``$TRIO_ENGINECORE_VLLM_PYTHON``, else
-a complete ``.nox/vllm-*`` (one with its ``recipe.json``) in this checkout; without one
+a complete ``.nox/vllm-0.33-*`` (one with its ``recipe.json``) in this checkout; without one
 the report says so (and how to get it) instead of failing.
 
 Every measurement runs in a fresh worker process (``benchmarks/worker.py``) against a
@@ -79,8 +79,9 @@ def find_vllm_python(explicit: str | None = None) -> tuple[Path | None, str]:
     """The vLLM environment's interpreter, and how it was found (or why there is none).
 
     ``explicit`` (``--vllm-python``) first: a path, or ``none`` for no vLLM client;
-    then ``$TRIO_ENGINECORE_VLLM_PYTHON``; then the newest complete ``.nox/vllm-*``
-    of this checkout (``nox -s interop`` writes its ``recipe.json`` last).
+    then ``$TRIO_ENGINECORE_VLLM_PYTHON``; then the newest complete ``.nox/vllm-0.33-*``
+    of this checkout (``nox -s interop`` writes its ``recipe.json`` last; the worker
+    is written for vLLM 0.33's client).
 
     Raises:
         FileNotFoundError: a path was given explicitly and has no interpreter.
@@ -95,7 +96,7 @@ def find_vllm_python(explicit: str | None = None) -> tuple[Path | None, str]:
             raise FileNotFoundError(f"{source}: no interpreter at {python}")
         return python, _describe_env(python)
     complete = sorted(
-        (marker.parent for marker in (REPO / ".nox").glob("vllm-*/recipe.json")),
+        (marker.parent for marker in (REPO / ".nox").glob("vllm-0.33-*/recipe.json")),
         key=lambda env: env.stat().st_mtime,
     )
     for env in reversed(complete):
@@ -103,8 +104,8 @@ def find_vllm_python(explicit: str | None = None) -> tuple[Path | None, str]:
         if python.exists():
             return python, _describe_env(python)
     return None, (
-        "not measured: the vLLM interop environment (.nox/vllm-<hash>) is absent; "
-        "`nox -s interop` builds it (once, a few minutes), then `nox -s bench` "
+        "not measured: the vLLM 0.33 interop environment (.nox/vllm-0.33-<hash>) is "
+        "absent; `nox -s interop` builds it (once, a few minutes), then `nox -s bench` "
         "measures vLLM 0.33's real AsyncMPClient beside the others"
     )
 
@@ -997,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="PATH|none",
         help="the vLLM environment's python for the vllm client, or none (default: "
-        f"${VLLM_PYTHON_VARIABLE}, else a complete .nox/vllm-* of this checkout)",
+        f"${VLLM_PYTHON_VARIABLE}, else a complete .nox/vllm-0.33-* of this checkout)",
     )
     parser.add_argument(
         "--redraw",

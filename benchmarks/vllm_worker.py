@@ -3,7 +3,7 @@
 
     <vllm env>/bin/python benchmarks/vllm_worker.py '<spec json>'
 
-The interop environment that ``nox -s interop`` builds (``.nox/vllm-<hash>``) runs
+The interop environment that ``nox -s interop`` builds (``.nox/vllm-0.33-<hash>``) runs
 this script; :mod:`benchmarks.run` starts it as the ``vllm`` client, in the same
 rotation as the others, against the same engine (``trio-enginecore serve``, which
 speaks vLLM's wire format) or the same flooding fake engine (``benchmarks.flood``).

@@ -1,8 +1,10 @@
 """The interop tests run only where a vLLM environment is given.
 
-``nox -s interop`` builds a CPU-only vLLM 0.33.0 environment and names its Python in
-``TRIO_ENGINECORE_VLLM_PYTHON``. Without it (a plain ``pytest`` or ``nox -s tests``)
-every test here is skipped, with that reason. The vLLM side never runs in this process:
+``nox -s interop`` builds a CPU-only environment for each vLLM release (0.33.0, 0.34.0)
+and runs these tests once per release, naming that environment's Python in
+``TRIO_ENGINECORE_VLLM_PYTHON`` and the release in ``TRIO_ENGINECORE_VLLM_RELEASE``.
+Without them (a plain ``pytest`` or ``nox -s tests``) every test here is skipped, with
+that reason. The vLLM side never runs in this process:
 it runs in that environment's processes and talks to ours over ZeroMQ only. Each test
 module calls ``support.require_vllm()``, which skips the whole module otherwise.
 """

@@ -1,9 +1,15 @@
 """Running vLLM's side of an interop test: its processes, their logs, their reports.
 
 The vLLM side (vLLM's clients, its engine launchers, the counter executor) runs in the
-vLLM environment that ``nox -s interop`` builds, as subprocesses of the test; the test
-itself and our client and engine run in the project's environment. The two sides talk
-over ZeroMQ only, as real deployments do.
+vLLM environment that ``nox -s interop`` builds, one per vLLM release, as subprocesses
+of the test; the test itself and our client and engine run in the project's
+environment. The two sides talk over ZeroMQ only, as real deployments do.
+
+Which release is under test: ``TRIO_ENGINECORE_VLLM_RELEASE`` ("0.33", "0.34"), else
+the version of the vLLM installed in ``TRIO_ENGINECORE_VLLM_PYTHON``'s environment;
+tests that check something release-specific ask :func:`vllm_release` or
+:func:`at_least`. ``TRIO_ENGINECORE_VLLM_PYTHONS`` (a JSON object, release -> Python)
+names every release's environment that is built, for a test that needs two at once.
 
 vLLM-side scripts print their reports on stdout as lines starting with ``@`` followed
 by a JSON object, and log on stderr (``VLLM_LOGGING_STREAM``), which is kept in a file
@@ -27,6 +33,8 @@ from typing import IO, Any
 import pytest
 
 VLLM_PYTHON_VARIABLE = "TRIO_ENGINECORE_VLLM_PYTHON"
+VLLM_RELEASE_VARIABLE = "TRIO_ENGINECORE_VLLM_RELEASE"
+VLLM_PYTHONS_VARIABLE = "TRIO_ENGINECORE_VLLM_PYTHONS"
 VLLM_SIDE = Path(__file__).parent / "vllm_side"
 
 _ERROR_LINE = re.compile(r"^(\(.*?\) )?ERROR ", re.MULTILINE)
@@ -36,6 +44,53 @@ def vllm_python() -> Path | None:
     """The vLLM environment's Python, from ``TRIO_ENGINECORE_VLLM_PYTHON``."""
     value = os.environ.get(VLLM_PYTHON_VARIABLE)
     return Path(value) if value else None
+
+
+def installed_vllm_version(python: Path) -> str:
+    """The version of the vLLM installed in ``python``'s environment ("0.34.0"), read
+    from its distribution metadata (vLLM is not imported: that takes seconds)."""
+    found = sorted(python.parent.parent.glob("lib/python*/site-packages/vllm-*.dist-info"))
+    if not found:
+        raise AssertionError(f"no vLLM installed in the environment of {python}")
+    return found[-1].name.removeprefix("vllm-").removesuffix(".dist-info")
+
+
+def vllm_release() -> str:
+    """The vLLM release under test, as major.minor ("0.33", "0.34")."""
+    release = os.environ.get(VLLM_RELEASE_VARIABLE)
+    if release:
+        return release
+    python = vllm_python()
+    assert python is not None, f"{VLLM_PYTHON_VARIABLE} is not set"
+    return ".".join(installed_vllm_version(python).split(".")[:2])
+
+
+def vllm_version() -> str:
+    """The version of the vLLM under test ("0.34.0"): what its engines report."""
+    python = vllm_python()
+    assert python is not None, f"{VLLM_PYTHON_VARIABLE} is not set"
+    return installed_vllm_version(python)
+
+
+def _release_key(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in release.split("."))
+
+
+def at_least(release: str) -> bool:
+    """Whether the release under test is ``release`` ("0.34") or newer."""
+    return _release_key(vllm_release()) >= _release_key(release)
+
+
+def vllm_pythons() -> dict[str, Path]:
+    """The Python of every release whose environment is built (this one's included)."""
+    pythons = {
+        release: Path(path)
+        for release, path in json.loads(os.environ.get(VLLM_PYTHONS_VARIABLE) or "{}").items()
+    }
+    python = vllm_python()
+    if python is not None:
+        pythons.setdefault(vllm_release(), python)
+    return pythons
 
 
 def require_vllm() -> None:
@@ -95,8 +150,17 @@ class VllmProcess:
     Its stdout is read line by line for reports; its stderr goes to ``log_path``.
     """
 
-    def __init__(self, script: str, args: Sequence[str], log_path: Path, **env: str) -> None:
-        python = vllm_python()
+    def __init__(
+        self,
+        script: str,
+        args: Sequence[str],
+        log_path: Path,
+        *,
+        python: Path | None = None,
+        **env: str,
+    ) -> None:
+        """``python``: another release's environment (default: the one under test)."""
+        python = python or vllm_python()
         assert python is not None, f"{VLLM_PYTHON_VARIABLE} is not set"
         self.log_path = log_path
         self._log: IO[str] = log_path.open("w")
@@ -165,10 +229,10 @@ class VllmProcess:
 
 @contextmanager
 def vllm_process(
-    script: str, args: Sequence[str], log_path: Path, **env: str
+    script: str, args: Sequence[str], log_path: Path, *, python: Path | None = None, **env: str
 ) -> Iterator[VllmProcess]:
     """Run a vLLM-side script for the duration of the block; always stopped and reaped."""
-    process = VllmProcess(script, args, log_path, **env)
+    process = VllmProcess(script, args, log_path, python=python, **env)
     try:
         yield process
     finally:

@@ -1,4 +1,4 @@
-"""Our client drives vLLM 0.33's real engine core (one engine).
+"""Our client drives vLLM's real engine core (one engine; the release under test).
 
 vLLM's ``EngineCoreProc`` runs as shipped (handshake, input and output threads, busy
 loop, scheduler, KV cache manager, utilities, ``ENGINE_CORE_DEAD``) in the vLLM
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -44,7 +44,17 @@ from trio_enginecore import (
 )
 
 from ..support import expected, free_port
-from .support import VllmProcess, error_lines, require_vllm, vllm_process
+from .support import (
+    VllmProcess,
+    at_least,
+    error_lines,
+    installed_vllm_version,
+    require_vllm,
+    vllm_process,
+    vllm_pythons,
+    vllm_release,
+    vllm_version,
+)
 from .workloads import cancel_half_midway, exact_streams, generate
 
 require_vllm()
@@ -72,8 +82,12 @@ class VllmEngine:
 
 
 @asynccontextmanager
-async def vllm_engine(mode: str, tmp_path: Path) -> AsyncIterator[VllmEngine]:
-    """A vLLM engine core started by ``mode``'s launcher, and our client, ready."""
+async def vllm_engine(
+    mode: str, tmp_path: Path, *, python: Path | None = None
+) -> AsyncIterator[VllmEngine]:
+    """A vLLM engine core started by ``mode``'s launcher, and our client, ready.
+
+    ``python``: the environment of another vLLM release than the one under test."""
     client_args: dict[str, Any]
     if mode == "headless":
         address = f"tcp://127.0.0.1:{free_port()}"
@@ -92,7 +106,7 @@ async def vllm_engine(mode: str, tmp_path: Path) -> AsyncIterator[VllmEngine]:
             "output_address": outputs,
             "liveness": Liveness(LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S),
         }
-    with vllm_process(script, args, tmp_path / f"vllm-{mode}.log") as launcher:
+    with vllm_process(script, args, tmp_path / f"vllm-{mode}.log", python=python) as launcher:
         start = trio.current_time()
         try:
             async with open_engine_client(
@@ -118,7 +132,7 @@ async def test_exact_streams_cancellation_and_utilities(
         assert ready is not None
         # vLLM's own ready response: its version, and the KV blocks it sized from what
         # the executor reported (4096 blocks of 16 tokens).
-        assert ready.vllm_version == "0.33.0"
+        assert ready.vllm_version == vllm_version()
         assert (ready.num_gpu_blocks, ready.block_size, ready.max_model_len) == (4096, 16, 1024)
         assert await engine.rpc("executor_pid") == engine.engine_pid
 
@@ -150,6 +164,26 @@ async def test_exact_streams_cancellation_and_utilities(
         assert await client.is_scheduler_paused() is True
         await client.resume_scheduler()
         assert await client.is_scheduler_paused() is False
+        if at_least("0.34"):
+            # 0.34's utilities, through our typed wrappers.
+            assert await client.is_inference_ready() is True
+            assert await client.checkpoint_state() == ("running", None)
+            # vLLM refuses to prepare without its sleep mode (off: this is a CPU),
+            # and says why; nothing changed.
+            reason = await client.checkpoint_prepare()
+            assert reason is not None
+            assert "sleep-mode" in reason
+            assert await client.checkpoint_state() == ("running", None)
+            await client.pause_scheduler("keep", True, reset_connector=True)
+            assert await client.is_inference_ready() is False
+            await client.resume_scheduler()
+            assert await client.is_inference_ready() is True
+        else:
+            # What a 0.33 engine lacks is refused before it is sent.
+            with pytest.raises(UtilityCallError, match=r"not sent.*new in vLLM 0\.34"):
+                await client.is_inference_ready()
+            with pytest.raises(UtilityCallError, match=r"not sent.*pause_scheduler"):
+                await client.pause_scheduler("keep", True, reset_connector=True)
         # After all that, the engine still serves.
         request = EngineCoreRequest.for_tokens([41], max_tokens=4)
         assert await generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
@@ -223,12 +257,51 @@ async def _kill_9_is_engine_dead(mode: str, tmp_path: Path, timings: dict[str, f
             timings[f"kill -9 -> EngineDeadError, {mode}"] = max(failures)
 
 
+@pytest.mark.skipif(
+    vllm_release() != "0.34" or "0.33" not in vllm_pythons(),
+    reason="run in vLLM 0.34's session, once vLLM 0.33's environment is built too",
+)
+async def test_one_process_drives_a_vllm_033_and_a_vllm_034_engine_at_once(
+    tmp_path: Path, timings: dict[str, float]
+) -> None:
+    """Two clients of ours in one process, one per engine: each speaks its engine's
+    release (0.34's engine takes prompts only as int32 arrays, 0.33's only as lists)."""
+    pythons = vllm_pythons()
+    async with AsyncExitStack() as stack:
+        engines: dict[str, VllmEngine] = {}
+        for release in ("0.33", "0.34"):
+            directory = tmp_path / release
+            directory.mkdir()
+            engines[release] = await stack.enter_async_context(
+                vllm_engine("attach", directory, python=pythons[release])
+            )
+        for release, engine in engines.items():
+            ready = engine.client.engines[0]
+            assert ready is not None
+            assert ready.vllm_version == installed_vllm_version(pythons[release])
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for engine in engines.values():
+                nursery.start_soon(exact_streams, engine.client)
+        timings["64 exact streams on a 0.33 and a 0.34 engine at once"] = (
+            trio.current_time() - start
+        )
+        for engine in engines.values():
+            request = EngineCoreRequest.for_tokens(list(range(1, 300)), max_tokens=4)
+            # A prompt long enough for 0.34's packed array to go as its own frame.
+            assert await generate(engine.client, request) == (
+                expected(list(range(1, 300)), 4),
+                FinishReason.LENGTH,
+            )
+            assert error_lines(engine.launcher.log()) == []
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=UtilityCallError,
-    reason="vLLM 0.33's EngineCore has no get_request_counts utility ('EngineCoreProc' "
-    "object has no attribute 'get_request_counts'; its Scheduler.get_request_counts() is "
-    "internal): it is a reference-engine utility",
+    reason="vLLM's EngineCore (0.33 and 0.34) has no get_request_counts utility "
+    "('EngineCoreProc' object has no attribute 'get_request_counts'; its "
+    "Scheduler.get_request_counts() is internal): it is a reference-engine utility",
 )
 def test_get_request_counts_on_vllm(tmp_path: Path) -> None:
     async def main() -> None:

@@ -1,4 +1,4 @@
-"""Our client drives vLLM 0.33's real engine cores in data parallel 2.
+"""Our client drives vLLM's real engine cores (the release under test) in data parallel 2.
 
 Dense ranks (the llama config: independent ``EngineCoreProc`` s) and MoE ranks (the
 mixtral config: ``DPEngineCoreProc`` s in lockstep, a gloo all-reduce deciding when a
@@ -45,7 +45,7 @@ from trio_enginecore import (
 from trio_enginecore.client import DPLBTrioMPClient
 
 from ..support import expected, free_port
-from .support import VllmProcess, error_lines, require_vllm
+from .support import VllmProcess, error_lines, require_vllm, vllm_version
 from .workloads import cancel_half_midway, exact_streams, generate
 
 require_vllm()
@@ -173,7 +173,7 @@ async def test_data_parallel_2(
         timings[f"time to ready, DP 2 {model} {mode}"] = group.ready_s
         for rank, ready in enumerate(client.engines):
             assert ready is not None
-            assert ready.vllm_version == "0.33.0"
+            assert ready.vllm_version == vllm_version()
             assert ready.data_parallel_rank == rank
         assert sorted(await group.rpc_all("executor_pid")) == sorted(group.pids)
         assert (client.current_wave, client.engines_running) == (0, False)

@@ -1,11 +1,17 @@
-"""vLLM 0.33's own engine-core clients drive our engine (``trio-enginecore serve``).
+"""vLLM's own engine-core clients (of the release under test) drive our engine
+(``trio-enginecore serve``).
 
 vLLM's ``AsyncMPClient`` and ``SyncMPClient`` run in the vLLM environment
 (``vllm_side/drive_engine.py``) and bind the input ROUTER and output PULL
 (``client_addresses``); our engine, in this environment, attaches to them. For each
 client one engine and one driver run every scenario in turn (starting vLLM costs tens
 of seconds on two cores), the fault last since it kills the engine; each test below
-checks one scenario's report.
+checks one scenario's report. vLLM 0.34's clients send every prompt as an int32 array
+and have utilities 0.33's have not (``utilities_034``, skipped under 0.33).
+
+The utility tables below are what vLLM's own engine answers the same calls
+(``test_vllm_clients_drive_vllms_engine.py`` checks that, with sleep mode on for the
+checkpoint cycle), except where a row says otherwise.
 """
 
 from __future__ import annotations
@@ -18,11 +24,20 @@ from typing import Any
 import pytest
 
 from ..support import expected
-from .support import VllmProcess, error_lines, project_command, require_vllm
+from .support import VllmProcess, at_least, error_lines, project_command, require_vllm
 
 require_vllm()
 
-SCENARIOS = ("exact", "stop", "abort", "utilities", "fault")
+SCENARIOS = (
+    "exact",
+    "long",
+    "stop",
+    "abort",
+    "utilities",
+    *(["utilities_034"] if at_least("0.34") else []),
+    "fault",
+)
+only_034 = pytest.mark.skipif(not at_least("0.34"), reason="a vLLM 0.34 utility")
 LENGTH, STOP = 1, 0  # FinishReason values on the wire
 ENGINE_DEAD = "vllm.v1.engine.exceptions.EngineDeadError"
 
@@ -114,6 +129,16 @@ def test_concurrent_requests_get_exact_tokens_and_length(run: DriveRun) -> None:
         assert request["finish"] == LENGTH, request
 
 
+def test_long_prompts_get_exact_tokens(run: DriveRun) -> None:
+    # 63, 64 and 1000 tokens: 0.34's clients send the last two as frames of their own.
+    report = _report(run, "long")
+    assert report["done"]
+    assert [len(request["prompt"]) for request in report["requests"]] == [63, 64, 1000]
+    for request in report["requests"]:
+        assert request["tokens"] == expected(request["prompt"], 8), request["id"]
+        assert request["finish"] == LENGTH, request["id"]
+
+
 def test_stop_token_ids_stop_with_the_stop_token(run: DriveRun) -> None:
     report = _report(run, "stop")
     assert report["done"]
@@ -165,15 +190,64 @@ UTILITIES: list[Any] = [
     ("profile_stop", None),
     ("pause_scheduler", None),
     ("is_scheduler_paused", True),
+    ("is_sleeping_paused", True),  # vLLM: paused, or any memory asleep
     ("resume_scheduler", None),
     ("is_scheduler_paused_resumed", False),
-    ("get_request_counts", [0, 0]),  # our engine's utility (vLLM 0.33's has none)
+    ("get_request_counts", [0, 0]),  # our engine's utility (vLLM's has none)
+]
+
+# vLLM 0.34's utilities, in the driver's order (scenario_utilities_034): the typed
+# methods send 0.34's arguments (sleep 3, release_kv_cache_memory 1); pause_scheduler
+# is sent with its third argument, reset_connector; checkpoint_state's result is a
+# pair (state, reason). A whole checkpoint cycle: prepare, refusals while prepared,
+# restore, each repeated once (a no-op); then the engine must serve again.
+UTILITIES_034: list[Any] = [
+    ("is_inference_ready", True),
+    ("checkpoint_state", ["running", None]),
+    ("sleep", None),
+    ("is_sleeping_asleep", True),
+    ("is_inference_ready_asleep", False),
+    ("wake_up", True),
+    ("is_inference_ready_awake", True),
+    ("pause_scheduler", None),
+    ("is_inference_ready_paused", False),
+    ("release_kv_cache_memory", None),
+    ("is_sleeping_released", True),
+    ("wake_up_kv_cache", True),
+    ("is_inference_ready_woken", True),
+    ("checkpoint_prepare", None),  # None: not refused
+    ("checkpoint_state_prepared", ["prepared", None]),
+    ("is_inference_ready_prepared", False),
+    ("checkpoint_prepare_again", None),
+    ("checkpoint_restore", None),
+    ("checkpoint_state_restored", ["running", None]),
+    ("is_inference_ready_restored", True),
+    ("checkpoint_restore_again", None),
 ]
 
 
 @pytest.mark.parametrize(("utility", "result"), UTILITIES)
 def test_utility(run: DriveRun, utility: str, result: Any) -> None:
     assert _report(run, "utilities")[utility] == {"result": result}
+
+
+@only_034
+@pytest.mark.parametrize(("utility", "result"), UTILITIES_034)
+def test_utility_034(run: DriveRun, utility: str, result: Any) -> None:
+    assert _report(run, "utilities_034")[utility] == {"result": result}
+
+
+@only_034
+def test_sleep_is_refused_while_prepared_for_a_checkpoint(run: DriveRun) -> None:
+    reply = _report(run, "utilities_034")["sleep_while_prepared"]
+    assert reply["error"] == "builtins.Exception", reply
+    assert reply["message"].startswith("Call to sleep method failed: "), reply
+
+
+@only_034
+def test_the_engine_serves_after_a_checkpoint_cycle(run: DriveRun) -> None:
+    after = _report(run, "utilities_034")["after"]
+    assert after == {"done": True, "tokens": expected([77], 6), "finish": LENGTH}
 
 
 def test_unknown_utility_fails_that_call_only(run: DriveRun) -> None:

@@ -1,12 +1,13 @@
-"""vLLM 0.33's Rust OpenAI frontend (``vllm-rs frontend``) serves HTTP in front of our engine.
+"""vLLM's Rust OpenAI frontend (``vllm-rs frontend``) serves HTTP in front of our engine.
 
-The 0.33.0 wheel ships ``vllm/vllm-rs``. In its ``frontend`` mode it is the worker that
-``vllm serve`` starts when ``VLLM_USE_RUST_FRONTEND=1``: it inherits a listening HTTP
-socket and the listeners of its input ROUTER and output PULL as file descriptors,
-serves OpenAI-compatible HTTP, and drives engines over the engine-core protocol. It
-does no startup handshake: it waits for the engines to connect and send their ready
-message, so ours attaches to it (``trio-enginecore serve --input-address ...
---output-address ...``). ``vllm_side/rust_frontend.py`` plays vLLM's supervisor: it
+Each vLLM wheel (0.33.0, 0.34.0) ships ``vllm/vllm-rs``. In its ``frontend`` mode it is
+the worker that ``vllm serve`` starts when ``VLLM_USE_RUST_FRONTEND=1``: it inherits a
+listening HTTP socket and the listeners of its input ROUTER and output PULL as file
+descriptors, serves OpenAI-compatible HTTP, and drives engines over the engine-core
+protocol. It does no startup handshake: it waits for the engines to connect and send
+their ready message, so ours attaches to it (``trio-enginecore serve --input-address
+... --output-address ...``). 0.34's then calls the engine's ``is_inference_ready``
+utility and exits if that call fails. ``vllm_side/rust_frontend.py`` plays vLLM's supervisor: it
 writes a model directory whose byte-level ``tokenizer.json`` matches our ``ngram``
 model (token = byte, 256 = EOS; ``vllm_side/byte_tokenizer.py``), binds the listeners
 and starts ``vllm-rs frontend``.

@@ -1,15 +1,18 @@
-"""Drive an engine with vLLM 0.33's own engine-core clients, and report what happened.
+"""Drive an engine with vLLM's own engine-core clients, and report what happened.
 
-Runs inside the vLLM environment. vLLM's ``AsyncMPClient`` or ``SyncMPClient`` binds
-``--input-address`` (ROUTER) and ``--output-address`` (PULL), as vLLM's
-``client_addresses`` does for engines managed elsewhere, waits for the engine's ready
-message, then runs the scenarios in order and prints one ``@{json}`` report per
+Runs inside the vLLM environment (0.33 or 0.34). vLLM's ``AsyncMPClient`` or
+``SyncMPClient`` binds ``--input-address`` (ROUTER) and ``--output-address`` (PULL), as
+vLLM's ``client_addresses`` does for engines managed elsewhere, waits for the engine's
+ready message, then runs the scenarios in order and prints one ``@{json}`` report per
 scenario: raw observations (tokens, finish reasons, utility results, exception
-types); the test decides what is right.
+types); the test decides what is right. Without the two addresses the client starts
+vLLM's own engine core (counter executor) itself, as ``AsyncLLM`` does: the reference
+the same scenarios give on vLLM's side.
 
-``SyncMPClient.__init__`` takes no ``client_addresses`` in vLLM 0.33 (only
-``AsyncMPClient`` does); for it the addresses are given to ``MPClient.__init__``, the
-constructor ``SyncMPClient`` calls, and everything else is vLLM's code as shipped.
+``SyncMPClient.__init__`` takes no ``client_addresses`` (only ``AsyncMPClient`` does);
+for it the addresses are given to ``MPClient.__init__``, the constructor
+``SyncMPClient`` calls, and everything else is vLLM's code as shipped: in 0.34 that
+includes packing every prompt as an int32 array before sending it.
 
 The scenario code is written once, for asyncio: with ``SyncMPClient`` every call runs
 in one sender thread (vLLM's sync client is not thread-safe) and ``get_output()`` in
@@ -88,7 +91,7 @@ class Outputs:
 class AsyncAdapter:
     """vLLM's AsyncMPClient, as vLLM's AsyncLLM uses it."""
 
-    def __init__(self, config: Any, executor: Any, addresses: dict[str, str]) -> None:
+    def __init__(self, config: Any, executor: Any, addresses: dict[str, str] | None) -> None:
         from vllm.v1.engine.core_client import AsyncMPClient
 
         self.client = AsyncMPClient(config, executor, False, client_addresses=addresses)
@@ -120,6 +123,9 @@ class AsyncAdapter:
         """One of the client's typed methods (``sleep`` -> ``sleep_async``)."""
         return await getattr(self.client, f"{name}_async")(*args)
 
+    def has_method(self, name: str) -> bool:
+        return hasattr(self.client, f"{name}_async")
+
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -129,7 +135,7 @@ class AsyncAdapter:
 class SyncAdapter:
     """vLLM's SyncMPClient, as vLLM's LLMEngine uses it."""
 
-    def __init__(self, config: Any, executor: Any, addresses: dict[str, str]) -> None:
+    def __init__(self, config: Any, executor: Any, addresses: dict[str, str] | None) -> None:
         from vllm.v1.engine.core_client import MPClient, SyncMPClient
 
         original = MPClient.__init__
@@ -138,8 +144,11 @@ class SyncAdapter:
             kwargs["client_addresses"] = addresses
             original(client, *args, **kwargs)
 
-        with mock.patch.object(MPClient, "__init__", with_addresses):
+        if addresses is None:  # the client starts vLLM's engine itself
             self.client = SyncMPClient(config, executor, False)
+        else:
+            with mock.patch.object(MPClient, "__init__", with_addresses):
+                self.client = SyncMPClient(config, executor, False)
         self.outputs = Outputs()
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sender")
         self._stopped = threading.Event()
@@ -172,6 +181,9 @@ class SyncAdapter:
 
     async def method(self, name: str, *args: Any) -> Any:
         return await self._call(getattr(self.client, name), *args)
+
+    def has_method(self, name: str) -> bool:
+        return hasattr(self.client, name)
 
     def close(self) -> None:
         self._stopped.set()
@@ -223,6 +235,32 @@ async def scenario_exact(client: Any, count: int) -> dict[str, Any]:
                 "finish": out.finish.get(rid),
             }
             for rid, prompt, max_tokens in requests
+        ],
+    }
+
+
+# Prompt lengths around the 256-byte limit of an inline raw extension: vLLM 0.34's
+# clients pack a prompt as int32s, inline up to 63 tokens (252 bytes), as a frame of its
+# own from 64 on; 0.33's send a list of ints, whatever the length.
+LONG_PROMPTS = (63, 64, 1000)
+
+
+async def scenario_long(client: Any) -> dict[str, Any]:
+    cases = [(f"long-{n}", [(7 * i) % 30000 + 1 for i in range(n)]) for n in LONG_PROMPTS]
+    for rid, prompt in cases:
+        await client.add(make_request(rid, prompt, max_tokens=8))
+    out = client.outputs
+    done = await out.wait_for(lambda: {rid for rid, _ in cases} <= out.finish.keys(), 60)
+    return {
+        "done": done,
+        "requests": [
+            {
+                "id": rid,
+                "prompt": prompt,
+                "tokens": out.tokens.get(rid, []),
+                "finish": out.finish.get(rid),
+            }
+            for rid, prompt in cases
         ],
     }
 
@@ -326,6 +364,7 @@ async def scenario_utilities(client: Any) -> dict[str, Any]:
         ("profile_stop", client.method("profile", False)),
         ("pause_scheduler", client.utility("pause_scheduler", "abort", True)),
         ("is_scheduler_paused", client.utility("is_scheduler_paused")),
+        ("is_sleeping_paused", client.method("is_sleeping")),
         ("resume_scheduler", client.utility("resume_scheduler")),
         ("is_scheduler_paused_resumed", client.utility("is_scheduler_paused")),
         ("get_request_counts", client.utility("get_request_counts")),
@@ -334,6 +373,59 @@ async def scenario_utilities(client: Any) -> dict[str, Any]:
     results = {}
     for name, call in calls:  # one after the other: each may depend on the one before
         results[name] = await _try(call)
+    return results
+
+
+async def scenario_utilities_034(client: Any) -> dict[str, Any]:
+    """vLLM 0.34's new and changed utilities, through the client's typed methods where
+    it has them (``sleep`` sends 3 arguments, ``release_kv_cache_memory`` 1; the sync
+    client has no ``checkpoint_*`` methods: those go as plain utility calls, as do
+    ``is_inference_ready`` and a 3-argument ``pause_scheduler``), then one request to
+    show that the engine serves after the checkpoint cycle."""
+
+    def typed(name: str, *args: Any) -> Any:
+        if client.has_method(name):
+            return client.method(name, *args)
+        return client.utility(name, *args)
+
+    def ready() -> Any:
+        return client.utility("is_inference_ready")
+
+    calls: list[tuple[str, Callable[[], Any]]] = [
+        ("is_inference_ready", ready),
+        ("checkpoint_state", lambda: typed("checkpoint_state")),
+        ("sleep", lambda: typed("sleep", 1, "abort", True)),
+        ("is_sleeping_asleep", lambda: typed("is_sleeping")),
+        ("is_inference_ready_asleep", ready),
+        ("wake_up", lambda: typed("wake_up")),
+        ("is_inference_ready_awake", ready),
+        ("pause_scheduler", lambda: client.utility("pause_scheduler", "abort", True, True)),
+        ("is_inference_ready_paused", ready),
+        ("release_kv_cache_memory", lambda: typed("release_kv_cache_memory", True)),
+        ("is_sleeping_released", lambda: typed("is_sleeping")),
+        ("wake_up_kv_cache", lambda: typed("wake_up", ["kv_cache"])),
+        ("is_inference_ready_woken", ready),
+        ("checkpoint_prepare", lambda: typed("checkpoint_prepare", "wait")),
+        ("checkpoint_state_prepared", lambda: typed("checkpoint_state")),
+        ("is_inference_ready_prepared", ready),
+        ("sleep_while_prepared", lambda: typed("sleep", 1, "abort", True)),
+        ("checkpoint_prepare_again", lambda: typed("checkpoint_prepare", "wait")),
+        ("checkpoint_restore", lambda: typed("checkpoint_restore")),
+        ("checkpoint_state_restored", lambda: typed("checkpoint_state")),
+        ("is_inference_ready_restored", ready),
+        ("checkpoint_restore_again", lambda: typed("checkpoint_restore")),
+    ]
+    results: dict[str, Any] = {}
+    for name, call in calls:  # one after the other: each may depend on the one before
+        results[name] = await _try(call())
+    out = client.outputs
+    await client.add(make_request("after-checkpoint", [77], max_tokens=6))
+    done = await out.wait_for(lambda: "after-checkpoint" in out.finish, 30)
+    results["after"] = {
+        "done": done,
+        "tokens": out.tokens.get("after-checkpoint", []),
+        "finish": out.finish.get("after-checkpoint"),
+    }
     return results
 
 
@@ -358,7 +450,15 @@ async def run(args: argparse.Namespace) -> None:
     from fake_executor import CounterExecutor
 
     config = vllm_config(write_model("llama"))
-    addresses = {"input_address": args.input_address, "output_address": args.output_address}
+    if args.sleep_mode:
+        # vLLM refuses enable_sleep_mode on a CPU when it builds the config (its sleep
+        # mode needs a CUDA-like device); set afterwards, it only lets vLLM 0.34's own
+        # engine prepare for a process checkpoint, for which the counter executor has
+        # no memory to release.
+        config.model_config.enable_sleep_mode = True
+    addresses = None
+    if args.input_address is not None:
+        addresses = {"input_address": args.input_address, "output_address": args.output_address}
     adapter = AsyncAdapter if args.client == "async" else SyncAdapter
     say(event="binding")
     start = time.monotonic()
@@ -370,12 +470,16 @@ async def run(args: argparse.Namespace) -> None:
             try:
                 if name == "exact":
                     report = await scenario_exact(client, args.concurrency)
+                elif name == "long":
+                    report = await scenario_long(client)
                 elif name == "stop":
                     report = await scenario_stop(client)
                 elif name == "abort":
                     report = await scenario_abort(client)
                 elif name == "utilities":
                     report = await scenario_utilities(client)
+                elif name == "utilities_034":
+                    report = await scenario_utilities_034(client)
                 elif name == "fault":
                     report = await scenario_fault(client)
                 else:
@@ -390,12 +494,18 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--client", choices=["async", "sync"], required=True)
-    parser.add_argument("--input-address", required=True)
-    parser.add_argument("--output-address", required=True)
+    parser.add_argument("--input-address", help="without both: vLLM's own engine")
+    parser.add_argument("--output-address")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--sleep-mode", action="store_true", help="for vLLM's own engine")
     parser.add_argument("scenarios", nargs="+")
+    args = parser.parse_args()
+    if (args.input_address is None) != (args.output_address is None):
+        parser.error("give both --input-address and --output-address, or neither")
+    if args.sleep_mode and args.input_address is not None:
+        parser.error("--sleep-mode is a setting of vLLM's own engine")
     exit_with_parent()
-    asyncio.run(run(parser.parse_args()))
+    asyncio.run(run(args))
     return 0
 
 

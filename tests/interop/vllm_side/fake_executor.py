@@ -1,4 +1,4 @@
-"""A model executor for vLLM 0.33's real engine core, with a deterministic model.
+"""A model executor for vLLM's real engine core (0.33 and 0.34), with a deterministic model.
 
 Runs inside the vLLM environment only. vLLM's ``EngineCoreProc`` (its scheduler, KV
 cache manager, input and output threads, utilities, ``ENGINE_CORE_DEAD``) is used as
@@ -17,10 +17,18 @@ vLLM calls a method given by name without any pickle):
 - ``arm_fault``: the next model step raises, which vLLM treats as a fatal error;
 - ``set_step_delay``: seconds each model step takes from now on;
 - ``executor_pid``: the process the executor (and so the engine core) runs in.
+
+What differs between the releases is found by feature, not by version: 0.34's
+``ModelRunnerOutput`` has no ``req_id_to_index``, and its scheduler sends a request
+resumed after preemption as a new one whose ``prefill_token_ids`` holds the prompt and
+the tokens generated so far (0.33 sent it among the cached ones, whose tokens this
+executor still has). Importing this module answers vLLM 0.34's Triton check
+(``triton_check.py``), in every process that builds or unpickles the executor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -29,15 +37,19 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from triton_check import answer_triton_check
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
+answer_triton_check()  # before any config is built or re-checked in this process
+
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
 """KV blocks the engine is given: enough for hundreds of requests of 1024 tokens."""
 STEP_DELAY_VARIABLE = "TRIO_ENGINECORE_FAKE_STEP_S"
+_HAS_REQ_ID_TO_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
 
 class InjectedFault(RuntimeError):
@@ -112,7 +124,12 @@ class _CounterWorker:
             self.tokens.pop(req_id, None)
             self.computed.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            self.tokens[new.req_id] = list(new.prompt_token_ids or ())
+            # Where set (always in 0.34), prefill_token_ids holds the prompt and, for a
+            # request resumed after preemption, the tokens it generated before.
+            tokens = getattr(new, "prefill_token_ids", None)
+            if tokens is None:
+                tokens = new.prompt_token_ids
+            self.tokens[new.req_id] = list(tokens if tokens is not None else ())
             self.computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
@@ -133,11 +150,10 @@ class _CounterWorker:
                 sampled.append([token])
             else:
                 sampled.append([])  # a chunk of a longer prompt: nothing to sample yet
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        extra = {}
+        if _HAS_REQ_ID_TO_INDEX:  # 0.33; gone in 0.34
+            extra["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **extra)
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
         with self.lock:
@@ -162,6 +178,22 @@ class _CounterWorker:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.sleeping = False
+
+    # What vLLM 0.34's engine asks besides: release_kv_cache_memory discards the KV
+    # cache, is_inference_ready asks about weight updates, and a process checkpoint
+    # prepares and restores the workers. There is no memory or device state to keep.
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        pass
+
+    def has_incomplete_weight_update(self) -> bool:
+        return False
+
+    def checkpoint_prepare(self) -> None:
+        pass
+
+    def checkpoint_restore(self) -> None:
+        pass
 
     def reset_mm_cache(self) -> None:
         pass

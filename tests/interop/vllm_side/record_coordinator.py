@@ -1,4 +1,4 @@
-"""Record the frames of vLLM 0.33's real ``DPCoordinator`` (the golden coordinator frames).
+"""Record the frames of vLLM's real ``DPCoordinator`` (the golden coordinator frames).
 
 Runs vLLM's ``DPCoordinatorProc`` (the loop its coordinator process runs) on ipc://
 sockets in a temporary directory, plays two engines and a front-end at it with vLLM's
@@ -8,7 +8,8 @@ encodes it; the coordinator's acceptance of it is checked through its effect).
 
 Prints the recording as one ``@{json}`` line: ``{"vllm_version": ..., "cases": [{"name",
 "direction", "socket", "description", "frames": [hex, ...]}]}``. The interop tests compare
-it with ``tests/data/vllm-0.33.0-coordinator/frames.json``, which was written from it.
+it with ``tests/data/vllm-0.33.0-coordinator/frames.json``, which was written from it
+with vLLM 0.33 (0.34's coordinator sends the same frames).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run vLLM 0.33's Rust OpenAI frontend (``vllm-rs frontend``) for engines that attach.
+"""Run vLLM's Rust OpenAI frontend (``vllm-rs frontend``) for engines that attach.
 
 The Python supervisor part of ``vllm serve`` with ``VLLM_USE_RUST_FRONTEND=1``
 (``run_multi_api_server`` in ``vllm/entrypoints/cli/serve.py`` and

@@ -141,3 +141,31 @@ async def test_a_034_engine_takes_the_new_arguments() -> None:
             call = await engine.expect_utility()
             assert (call.method, call.args) == ("sleep", (1, "abort", False))
             await engine.reply(call)
+
+
+async def test_checkpoint_wrappers_merge_two_engines_answers() -> None:
+    with trio.fail_after(60):
+        async with open_engine_client(EngineConfig(data_parallel_size=2)) as client:
+            assert await client.is_inference_ready() is True
+            assert await client.checkpoint_state() == ("running", None)
+            # Rank 0 alone goes to sleep (call_utility asks rank 0): it refuses to
+            # prepare, rank 1 prepares; the wrapper gives the refusal, and the merged
+            # state is the transition under way.
+            await client.call_utility("sleep", 1)
+            assert await client.is_inference_ready() is False
+            reason = await client.checkpoint_prepare("abort")
+            assert reason == "Preparing for a checkpoint requires an awake engine"
+            assert await client.call_utility_all("checkpoint_state") == [
+                ["running", None],
+                ["prepared", None],
+            ]
+            assert await client.checkpoint_state() == ("restoring", None)
+            with pytest.raises(UtilityCallError, match="checkpoint state is prepared"):
+                await client.wake_up()
+            await client.checkpoint_restore()
+            assert await client.wake_up() is True
+            assert await client.checkpoint_state() == ("running", None)
+            assert await client.is_inference_ready() is True
+            for _ in range(4):  # both engines serve again
+                request = EngineCoreRequest.for_tokens(PROMPT, max_tokens=3)
+                assert await stream_tokens(client, request) == expected(PROMPT, 3)

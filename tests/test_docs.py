@@ -264,7 +264,9 @@ def test_every_public_name_of_the_package_is_documented() -> None:
     assert not missing, f"names in trio_enginecore.__all__ with no autodoc directive: {missing}"
 
 
-@pytest.mark.parametrize("module_name", ["config", "curve", "errors", "protocol", "serial"])
+@pytest.mark.parametrize(
+    "module_name", ["config", "curve", "dialects", "errors", "protocol", "serial"]
+)
 def test_every_public_name_of_a_public_module_is_documented(module_name: str) -> None:
     module = importlib.import_module(f"trio_enginecore.{module_name}")
     documented = documented_names()
@@ -382,6 +384,11 @@ VLLM_CLIENT_METHODS = [
     "pause_scheduler_async",
     "resume_scheduler_async",
     "is_scheduler_paused_async",
+    # vLLM 0.34
+    "checkpoint_prepare_async",
+    "checkpoint_restore_async",
+    "checkpoint_state_async",
+    "engine_status",
     "ensure_alive",
     "start_engine_core_monitor",
     "validate_alive",

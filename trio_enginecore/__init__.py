@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import logging as _logging
 
-from . import curve as curve, errors as errors, protocol as protocol, serial as serial
+from . import (
+    curve as curve,
+    dialects as dialects,
+    errors as errors,
+    protocol as protocol,
+    serial as serial,
+)
 from ._listeners import ListenerFd as ListenerFd
 from .client import (
     AsyncEngineCoreClient as AsyncEngineCoreClient,

@@ -172,8 +172,9 @@ class AsyncEngineCoreClient(abc.ABC):
         """Put the engine (every engine) to sleep: it stops stepping until :meth:`wake_up`.
 
         ``mode`` says what becomes of the requests in flight (vLLM's pause modes;
-        without one, the reference engine keeps them). ``reset_connector`` (vLLM 0.34
-        engines only; needs ``mode``) also resets the KV connector's cache.
+        without one, a vLLM engine aborts them and the reference engine keeps them).
+        ``reset_connector`` (vLLM 0.34 engines only; needs ``mode``) also resets the KV
+        connector's cache. Sleeping pauses the scheduler, as in vLLM.
 
         Raises:
             UtilityCallError: an engine refused (e.g. while a process checkpoint is

@@ -16,6 +16,7 @@ from trio_enginecore.client._stream import StreamFeed, open_request_stream
 from trio_enginecore.errors import EngineDeadError, ProtocolError
 from trio_enginecore.protocol import (
     EEP_NOTIFICATION_CALL_ID,
+    FT_STATUS_CALL_ID,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -267,11 +268,17 @@ def test_a_utility_reply_resolves_its_call_and_unknown_replies_are_ignored() -> 
 
 def test_engine_notifications_are_not_replies() -> None:
     state, _ = make_state()
-    state.handle_outputs(
-        EngineCoreOutputs(utility_output=UtilityOutput(EEP_NOTIFICATION_CALL_ID, None, None))
-    )
-    assert state.calls.pending == {}
-    assert state.statistics().messages_received == 1
+    call_id, call = state.calls.new("is_sleeping", state.engines[0])
+    # vLLM 0.34's fault-tolerance pushes may say "diagnosing" and carry a mask.
+    ft_status = UtilityResult({"id": 0, "status": "diagnosing", "mask": [1, 0]})
+    for notification in (
+        UtilityOutput(EEP_NOTIFICATION_CALL_ID, None, None),
+        UtilityOutput(FT_STATUS_CALL_ID, None, ft_status),
+    ):
+        state.handle_outputs(EngineCoreOutputs(utility_output=notification))
+    assert list(state.calls.pending) == [call_id]
+    assert not call.done.is_set()
+    assert state.statistics().messages_received == 2
 
 
 def test_an_abandoned_call_is_reported_as_unanswered() -> None:

@@ -14,13 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from trio_enginecore.dialects import choose_dialect
 from trio_enginecore.protocol import EngineCoreOutputs, EngineCoreRequest
 from trio_enginecore.serial import MsgpackDecoder, MsgpackEncoder, outputs_for, request_for
 
 from .support import VllmProcess, error_lines, require_vllm, vllm_version
+from .vllm_side.canonical import canonical
 
 require_vllm()
 
@@ -34,17 +33,6 @@ def frames_of(directory: Path, name: str) -> list[bytes]:
     while (path := directory / f"{name}-{len(frames)}.bin").exists():
         frames.append(path.read_bytes())
     return frames
-
-
-def canonical(frames: list[bytes]) -> tuple[Any, list[bytes]]:
-    """A message as plain msgpack with the request's stop-token set sorted, and its
-    aux frames (as ``vllm_side/random_frames.py`` compares them)."""
-    payload = msgspec.msgpack.decode(frames[0], ext_hook=lambda code, data: (code, bytes(data)))
-    if isinstance(payload, list) and len(payload) > 3 and isinstance(payload[3], dict):
-        stops = payload[3].get("_all_stop_token_ids")
-        if isinstance(stops, list):
-            payload[3]["_all_stop_token_ids"] = sorted(stops)
-    return payload, frames[1:]
 
 
 def run(script_args: list[str], log: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ Runs inside the vLLM environment only. Two steps, one process each:
     Decodes every message in ``DIR/ours/`` (the same names: what the other side
     re-encoded) with vLLM's ``MsgpackDecoder`` and encodes it again with vLLM's
     encoder: the frames must be vLLM's original ones, so vLLM read back exactly what
-    it sent. Byte for byte but for one thing (:func:`canonical`): the order of a set's
+    it sent. Byte for byte but for one thing (``canonical.py``): the order of a set's
     elements, which a set decoded from the wire does not keep (vLLM's own decode and
     encode reorder ``SamplingParams._all_stop_token_ids`` as ours does). Reports the
     mismatches.
@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
+from canonical import canonical
 from common import say
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
@@ -162,17 +162,6 @@ def random_outputs(rng: random.Random, index: int) -> EngineCoreOutputs:
         finished_requests=finished,
         wave_complete=rng.choice([None, None, 4]),
     )
-
-
-def canonical(frames: list[bytes]) -> tuple[Any, list[bytes]]:
-    """A message as plain msgpack, with the one set a request carries in sorted order,
-    and its aux frames."""
-    payload = msgspec.msgpack.decode(frames[0], ext_hook=lambda code, data: (code, bytes(data)))
-    if isinstance(payload, list) and len(payload) > 3 and isinstance(payload[3], dict):
-        stops = payload[3].get("_all_stop_token_ids")
-        if isinstance(stops, list):
-            payload[3]["_all_stop_token_ids"] = sorted(stops)
-    return payload, frames[1:]
 
 
 def write(directory: Path, name: str, frames: list[Any]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+import msgspec
 import pytest
 import trio
 
@@ -26,7 +27,10 @@ from trio_enginecore import (
     UtilityCallError,
     open_engine_client,
 )
-from trio_enginecore.dialects import DIALECTS
+from trio_enginecore.client._launch import EngineHandle
+from trio_enginecore.client._startup import adopt_dialect
+from trio_enginecore.dialects import DIALECTS, VLLM_0_33, VLLM_0_34
+from trio_enginecore.engine import EngineCore
 
 from .hostile import attached_to_hostile_engine, attached_to_serving_engines, fence
 from .support import expected, stream_tokens
@@ -169,3 +173,22 @@ async def test_checkpoint_wrappers_merge_two_engines_answers() -> None:
             for _ in range(4):  # both engines serve again
                 request = EngineCoreRequest.for_tokens(PROMPT, max_tokens=3)
                 assert await stream_tokens(client, request) == expected(PROMPT, 3)
+
+
+def test_an_engine_that_comes_back_is_spoken_to_in_its_new_release(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = EngineHandle.for_rank(0)
+    base = EngineCore(EngineConfig()).ready_response()
+    engine.ready = msgspec.structs.replace(base, vllm_version="0.33.0")
+    adopt_dialect(engine)
+    assert engine.dialect is VLLM_0_33
+    caplog.set_level(logging.WARNING, logger="trio_enginecore")
+    engine.ready = msgspec.structs.replace(base, vllm_version="0.34.1")
+    adopt_dialect(engine)
+    assert engine.dialect is VLLM_0_34
+    assert "came back as vLLM 0.34.1 (was vLLM 0.33)" in caplog.text
+    engine.ready = msgspec.structs.replace(base, vllm_version="0.20.0")
+    adopt_dialect(engine)  # unsupported: logged, and its last known form kept
+    assert engine.dialect is VLLM_0_34
+    assert "came back unsupported" in caplog.text

@@ -86,6 +86,7 @@ __all__ = [
     "ENGINE_CORE_DEAD",
     "REPORTS_OWN_WAVES",
     "SCALE_ELASTIC_EP",
+    "CheckpointState",
     "CoordinatorPublication",
     "EngineCoreEvent",
     "EngineCoreEventType",
@@ -192,6 +193,11 @@ class EngineCoreEventType(enum.IntEnum):
     QUEUED = 1
     SCHEDULED = 2
     PREEMPTED = 3
+
+
+CheckpointState = Literal["running", "preparing", "prepared", "restoring", "failed"]
+"""A vLLM 0.34 engine's process-checkpoint state (``checkpoint_state()``; vLLM's
+``StrEnum`` travels as its string). An engine serves only while ``running``."""
 
 
 class RequestOutputKind(enum.IntEnum):

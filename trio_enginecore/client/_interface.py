@@ -14,11 +14,10 @@ from typing import Any, Literal, TypeVar, final
 
 import attrs
 
-from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest
+from ..protocol import CheckpointState, EngineCoreOutputs, EngineCoreRequest, LoRARequest
 from ._stream import RequestStream
 from ._utilities import (
     UTILITIES,
-    CheckpointState,
     UtilitySpec,
     combine,
     convert_each,

@@ -22,12 +22,17 @@ import trio
 
 from ..config import EngineConfig
 from ..errors import UtilityCallError
-from ..protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, UtilityOutput
+from ..protocol import (
+    CheckpointState,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LoRARequest,
+    UtilityOutput,
+)
 from ._interface import ClientStatistics
 from ._mp import TrioMPClient, open_trio_mp_client
 from ._utilities import (
     UTILITIES,
-    CheckpointState,
     UtilitySpec,
     combine,
     convert_each,

@@ -14,17 +14,17 @@ Sans-IO: nothing here waits or touches a socket, so it is unit-tested synchronou
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, Literal, TypeVar, final, overload
+from typing import Any, Generic, TypeVar, final, overload
 
 import attrs
 import msgspec
 
 from ..errors import ProtocolError
+from ..protocol import CheckpointState
 from ._lb import consensus
 
 __all__ = [
     "UTILITIES",
-    "CheckpointState",
     "UtilitySpec",
     "UtilityTable",
     "agree",
@@ -56,10 +56,6 @@ def agree(method: str, results: Sequence[R]) -> R:
 def sum_counts(method: str, results: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """``(waiting, running)`` pairs summed over the engines."""
     return sum(w for w, _ in results), sum(r for _, r in results)
-
-
-CheckpointState = Literal["running", "preparing", "prepared", "restoring", "failed"]
-"""A vLLM 0.34 engine's process-checkpoint state (it serves only while ``running``)."""
 
 
 def all_ready(method: str, results: Sequence[bool]) -> bool:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..protocol import (
+    CheckpointState,
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
@@ -47,9 +48,8 @@ logger = logging.getLogger("trio_enginecore.engine")
 BLOCK_SIZE: Final = 16
 """Tokens per KV-cache block, as reported in the ready response."""
 PauseMode = Literal["abort", "wait", "keep"]
-CheckpointState = Literal["running", "preparing", "prepared", "restoring", "failed"]
-"""vLLM 0.34's process-checkpoint states; the engine serves only while ``running``."""
-_RESTORED: Final = ("running", "restoring")
+_PAUSE_MODES: Final = ("abort", "wait", "keep")
+_RESTORED: Final[tuple[CheckpointState, ...]] = ("running", "restoring")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -264,7 +264,6 @@ class EngineCore:
         self._pause_waiters: list[tuple[int, int]] = []  # (client_index, call_id)
         self._draining_for_pause = False
         self._checkpoint: CheckpointState = "running"
-        self._checkpoint_error: str | None = None
         self._loras: dict[int, LoRARequest] = {}
         self._pinned_loras: set[int] = set()
         self._weight_version: str | None = None
@@ -749,8 +748,7 @@ class EngineCore:
         return self._pause(mode, clear_cache, waiter=(client_index, call_id))
 
     def _pause(self, mode: PauseMode, clear_cache: bool, waiter: tuple[int, int] | None) -> Any:
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        _check_pause_mode(mode)
         if self._paused:
             return None
         if mode == "abort":
@@ -842,8 +840,7 @@ class EngineCore:
             return f"Cannot prepare while the checkpoint state is {state}"
         if self._asleep:
             return "Preparing for a checkpoint requires an awake engine"
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        _check_pause_mode(mode)  # before anything changes
         self._checkpoint = "preparing"
         if self._paused:
             self._pause_completed()
@@ -865,10 +862,10 @@ class EngineCore:
         self.wake_up(["kv_cache"])  # all awake: resumes scheduling, and so running
 
     @utility
-    def checkpoint_state(self) -> tuple[str, str | None]:
-        """``(state, error)``: the process-checkpoint state (``running``,
-        ``preparing``, ``prepared``, ``restoring`` or ``failed``) and why it failed."""
-        return self._checkpoint, self._checkpoint_error
+    def checkpoint_state(self) -> tuple[CheckpointState, str | None]:
+        """``(state, error)``: the process-checkpoint state and why it failed (as vLLM
+        answers; nothing the reference engine does can fail, so the error is None)."""
+        return self._checkpoint, None
 
     def _refuse_unless_checkpoint(self, what: str, states: Sequence[str]) -> None:
         if self._checkpoint not in states:
@@ -911,6 +908,11 @@ class EngineCore:
             kv_cache_max_concurrency=float(config.max_num_seqs),
             enable_sleep_mode=True,
         )
+
+
+def _check_pause_mode(mode: object) -> None:
+    if mode not in _PAUSE_MODES:
+        raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
 
 
 class _DummyState:

@@ -265,7 +265,7 @@ async def attached_to_hostile_engine(
                 ready_timeout_s=20,
                 max_pending_outputs=max_pending_outputs,
                 # The hostile engine answers only the utilities a test scripts: the
-                # liveness checks (tests/test_liveness.py) would declare it dead.
+                # progress deadline (tests/test_liveness.py) would declare it hung.
                 liveness=None,
             ) as client:
                 yield engine, client

@@ -221,7 +221,7 @@ async def test_a_client_given_a_port_in_use_raises_address_error_then_another_se
 
 
 async def test_remote_engines_on_an_interface_this_host_lacks_raise_address_error() -> None:
-    remote = RemoteEngines(UNBINDABLE, liveness_interval_s=None)
+    remote = RemoteEngines(UNBINDABLE)
     with pytest.raises(AddressError) as caught:
         async with open_engine_client(EngineConfig(), remote=remote, ready_timeout_s=5):
             pytest.fail("the client must not start")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import trio
 
-from trio_enginecore.client._launch import EngineHandle
+from trio_enginecore.client._engines import EngineHandle
 from trio_enginecore.client._state import MAX_TOMBSTONES, ClientState
 from trio_enginecore.client._stream import StreamFeed, open_request_stream
 from trio_enginecore.errors import EngineDeadError, ProtocolError
@@ -167,7 +167,7 @@ def test_requests_on_a_dead_engine_are_not_aborted_on_the_wire() -> None:
     state, aborts = make_state()
     engine = state.engines[0]
     state.register(request("a"), engine, stream=None)
-    engine.alive = False
+    engine.state = "dead"
     state.abort(["a"])
     assert aborts.sent == []
     assert state.tombstones == {}

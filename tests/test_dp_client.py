@@ -173,7 +173,7 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
     with trio.fail_after(30):
         async with open_engine_client(config) as client:
             tasks = client.transport._socket_tasks  # pyright: ignore[reportPrivateUsage]
-            assert len(tasks) == 1  # the coordinator
+            assert len(tasks) == 2  # the coordinator, and the watch of the connections
             async with trio.open_nursery() as nursery:
                 for i in range(30):
                     nursery.start_soon(

@@ -8,6 +8,7 @@ sequences: a lost, duplicated or reordered token fails them.
 from __future__ import annotations
 
 import gc
+import time
 import tracemalloc
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -830,6 +831,29 @@ def test_inject_fault_makes_the_next_step_fatal_when_enabled() -> None:
         engine.step()
 
 
+def test_stall_holds_the_engines_thread_for_the_time_given_then_replies() -> None:
+    engine = engine_with(enable_fault_injection=True)
+    started = time.monotonic()
+    assert call(engine, "stall", 0.2, call_id=4) == ok_reply(4)
+    assert time.monotonic() - started >= 0.2
+
+
+def test_stall_steps_holds_each_model_step_until_turned_off() -> None:
+    engine = engine_with(enable_fault_injection=True)
+    engine.add_request(req("a", [1], max_tokens=3))
+    assert result_of(engine, "stall_steps", 0.1) is None
+    started = time.monotonic()
+    engine.step()
+    assert time.monotonic() - started >= 0.1
+    assert result_of(engine, "stall_steps", 0) is None
+    started = time.monotonic()
+    engine.step()
+    assert time.monotonic() - started < 0.1
+    reply = call(engine, "stall_steps", -1.0)
+    assert reply.failure_message is not None
+    assert "finite number >= 0" in reply.failure_message
+
+
 def test_utility_names_are_exactly_the_marked_methods() -> None:
     assert EngineCore.utility_names() == [
         "add_lora",
@@ -854,6 +878,8 @@ def test_utility_names_are_exactly_the_marked_methods() -> None:
         "resume_scheduler",
         "set_weight_version",
         "sleep",
+        "stall",
+        "stall_steps",
         "wake_up",
     ]
 
@@ -1046,6 +1072,8 @@ UTILITY_FAILURES = {
     "wrong argument type": ("pin_lora", ["one"], "Expected `int`, got `str`"),
     "malformed lora request": ("add_lora", [["name"]], "at least length 2"),
     "fault injection disabled": ("inject_fault", [], "fault injection is disabled"),
+    "stall disabled": ("stall", [0.0], "fault injection is disabled"),
+    "stalled steps disabled": ("stall_steps", [1.0], "fault injection is disabled"),
 }
 
 

@@ -104,7 +104,7 @@ async def test_routing_around_a_rank_killed_or_hung_during_300_streams(
             for message in dead.values():
                 assert f"engine rank {VICTIM}, pid {victim} died" in message
                 if sig is signal.SIGSTOP:
-                    assert "stopped responding for" in message
+                    assert "its connection was lost" in message
             for i, tokens in done.items():
                 assert tokens == expected(prompt(i), TOKENS), i
             # The client serves on with the survivors.
@@ -315,7 +315,7 @@ async def test_a_request_cancelled_while_waiting_for_a_restart_leaves_nothing_be
             (pid,) = client.engine_pids
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            while client.statistics().engines[0].state == "alive":
+            while client.statistics().engines[0].state in ("alive", "suspect"):
                 await trio.sleep(0.02)
             with trio.move_on_after(0.3) as waited:
                 await client.add_request(EngineCoreRequest.for_tokens([1], request_id="w"))
@@ -345,7 +345,7 @@ async def test_an_engine_that_keeps_dying_is_given_up_and_then_the_client_fails(
                     (pid,) = client.engine_pids
                     assert pid is not None
                     os.kill(pid, signal.SIGKILL)
-                    while client.statistics().engines[0].state == "alive":
+                    while client.statistics().engines[0].state in ("alive", "suspect"):
                         await trio.sleep(0.02)
                 failure = await client.wait_failed()
                 assert "not restarted again: it needed 1 restart(s) within 60 s" in str(failure)
@@ -362,9 +362,9 @@ async def test_a_hung_engine_is_killed_and_restarted() -> None:
             (pid,) = client.engine_pids
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)
-            while client.statistics().engines[0].state == "alive":  # until it is noticed
+            while client.statistics().engines[0].state in ("alive", "suspect"):  # until noticed
                 await trio.sleep(0.02)
-            assert "stopped responding for" in str(client.statistics().engines[0].death)
+            assert "its connection was lost" in str(client.statistics().engines[0].death)
             request = EngineCoreRequest.for_tokens([2], request_id="after", max_tokens=4)
             async with client.stream(request) as outputs:  # waits for the restart
                 tokens = [t async for o in outputs for t in o.new_token_ids]

@@ -20,7 +20,6 @@ from trio_enginecore import (
 )
 from trio_enginecore.client import (
     ClientOptions,
-    RemoteEngines,
     Restart,
     TrioEngineClient,
     TrioMPClient,
@@ -43,14 +42,11 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_by_name(
 @pytest.mark.parametrize(
     ("make", "name"),
     [
-        (lambda v: Liveness(interval_s=v), "Liveness.interval_s"),
-        (lambda v: Liveness(timeout_s=v), "Liveness.timeout_s"),
+        (lambda v: Liveness(heartbeat_interval_s=v), "Liveness.heartbeat_interval_s"),
+        (lambda v: Liveness(heartbeat_timeout_s=v), "Liveness.heartbeat_timeout_s"),
+        (lambda v: Liveness(progress_timeout_s=v), "Liveness.progress_timeout_s"),
         (lambda v: Restart(backoff_s=v), "Restart.backoff_s"),
         (lambda v: Restart(wait_s=v), "Restart.wait_s"),
-        (
-            lambda v: RemoteEngines("tcp://127.0.0.1:1", liveness_timeout_s=v),
-            "RemoteEngines.liveness_timeout_s",
-        ),
     ],
 )
 @pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, True, "1"])
@@ -62,9 +58,10 @@ def test_every_settings_object_refuses_a_duration_that_is_not_a_positive_number_
 
 
 def test_an_optional_interval_may_be_none_but_not_zero() -> None:
-    assert RemoteEngines("tcp://127.0.0.1:1", liveness_interval_s=None).liveness_interval_s is None
-    with pytest.raises(ValueError, match=r"RemoteEngines\.liveness_interval_s"):
-        RemoteEngines("tcp://127.0.0.1:1", liveness_interval_s=0)
+    assert Liveness(heartbeat_interval_s=None).heartbeat_interval_s is None
+    assert Liveness(progress_timeout_s=None).progress_timeout_s is None
+    with pytest.raises(ValueError, match=r"Liveness\.heartbeat_interval_s"):
+        Liveness(heartbeat_interval_s=0)
 
 
 def test_options_are_frozen_and_keyword_only() -> None:
@@ -101,7 +98,7 @@ async def test_open_engine_client_takes_options_bundled_or_as_keywords_never_bot
     "option",
     [
         {"ready_timeout_s": 3.0},
-        {"liveness": Liveness(interval_s=1.0, timeout_s=2.0)},
+        {"liveness": Liveness(heartbeat_interval_s=1.0, progress_timeout_s=2.0)},
         {"liveness": None},
         {"input_address": "ipc:///tmp/x"},
     ],

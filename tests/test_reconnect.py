@@ -2,12 +2,12 @@
 
 The engine's input DEALER reconnects by itself (libzmq does, in the background), and the
 reference engine, seeing its connection to the client lost and then made again, aborts
-that client's requests and sends its ready message anew. Nothing else tells the client:
-liveness checks are answered on the new connection as before. So the client takes a
-second ready message from an engine in service for what it is, the loss of every
-request it had there: their streams raise ``EngineDeadError`` at once instead of waiting
-for ever, its calls fail, and the engine stays in service: for new requests, and under
-the liveness checks.
+that client's requests and sends its ready message anew. The client sees the
+connection close (its socket monitor), and gives the engine 0.5 s to be back: the
+second ready message, on the new connection, is what it takes for what it is, the loss
+of every request it had there: their streams raise ``EngineDeadError`` at once instead
+of waiting for ever, its calls fail, and the engine stays in service: for new requests,
+and watched on its new connection. An engine not back in time is dead.
 
 A real engine process and a real TCP connection, cut in the middle by a byte-level
 proxy between the engine's input DEALER and the client's input ROUTER (the output
@@ -44,8 +44,9 @@ NOTICED_WITHIN_S = 5.0
 """From the cut to the last lost stream failing. It takes about 0.2 s (libzmq
 reconnects after 100 ms); the bound is far above that, and far below "for ever", which
 is what it was."""
-HANG_NOTICED_WITHIN_S = 2.0
-"""What the default liveness checks promise for a hung engine (see test_liveness.py)."""
+STOP_NOTICED_WITHIN_S = 3.0
+"""What the default liveness settings promise for a stopped or cut-off engine (see
+test_liveness.py)."""
 
 
 @final
@@ -232,18 +233,16 @@ async def test_requests_lost_to_a_reconnection_fail_at_once_and_the_engine_serve
             assert not client.is_dead
 
 
-async def test_the_liveness_checks_go_on_after_a_reconnection_that_lost_a_check() -> None:
-    """A check sent while the connection is down is lost with the requests, and failed
-    with them when the second ready message comes; the checks must go on (that
-    engine spoke, so it lives) and notice a hang afterwards as ever.
+async def test_an_engine_that_reconnected_is_still_watched_on_its_new_connection() -> None:
+    """The connection the second ready message came on is the engine's now: when the
+    engine is stopped later, that connection's silence is its death, noticed as fast
+    as on the first connection.
 
-    The reconnection is held 0.6 s: longer than the checks' interval (0.4 s), so a check
-    is surely sent, and lost, meanwhile; shorter than their timeout (1.2 s), so the
-    lost check does not make the engine pass for dead first.
+    The reconnection is held 0.2 s, within the 0.5 s an engine has to be back.
     """
     with trio.fail_after(60):
-        async with engine_behind_a_proxy(reconnect_delay_s=0.6) as engine:
-            with pytest.raises(EngineDeadError, match="no answer to a liveness check"):
+        async with engine_behind_a_proxy(reconnect_delay_s=0.2) as engine:
+            with pytest.raises(EngineDeadError, match="connection was lost"):
                 async with engine.client() as client:
                     await cut_while_streaming(client, engine.proxy, [[5]])
                     assert not client.is_dead
@@ -251,8 +250,28 @@ async def test_the_liveness_checks_go_on_after_a_reconnection_that_lost_a_check(
                     assert await stream_tokens(client, after) == expected([3], 5)
                     os.kill(engine.process.pid, signal.SIGSTOP)
                     try:
-                        with trio.move_on_after(HANG_NOTICED_WITHIN_S + 1) as waited:
+                        with trio.move_on_after(STOP_NOTICED_WITHIN_S) as waited:
                             await client.wait_failed()
                     finally:
                         os.kill(engine.process.pid, signal.SIGCONT)
-                    assert not waited.cancelled_caught, "the liveness checks had stopped"
+                    assert not waited.cancelled_caught, "the stopped engine went unnoticed"
+
+
+async def test_a_connection_not_made_again_within_the_grace_is_a_death() -> None:
+    """An engine gone for longer than it has to come back (0.5 s) is declared dead, as
+    a killed or stopped one is: its requests fail at once, saying so."""
+    with trio.fail_after(60):
+        async with engine_behind_a_proxy(reconnect_delay_s=1.5) as engine:
+            with pytest.raises(EngineDeadError) as died:
+                async with engine.client() as client:
+                    request = EngineCoreRequest.for_tokens([9], request_id="cut", max_tokens=LONG)
+                    async with client.stream(request) as outputs:
+                        await outputs.receive()
+                        assert engine.proxy.cut() == 1
+                        cut_at = trio.current_time()
+                        with pytest.raises(EngineDeadError):
+                            async for _ in outputs:
+                                pass
+                        assert trio.current_time() - cut_at < STOP_NOTICED_WITHIN_S
+    assert "engine rank 0 died: its connection was lost" in str(died.value)
+    assert "not made again within 0.5 s" in str(died.value)

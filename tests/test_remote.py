@@ -304,7 +304,7 @@ async def handshake_peer(rank: int, address: str) -> AsyncGenerator[HandshakePee
 @pytest.mark.parametrize("stage", ["hello", "ready"])
 async def test_the_startup_error_says_how_far_an_engine_got(stage: str) -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
-    remote = RemoteEngines(address, liveness_interval_s=None)
+    remote = RemoteEngines(address)
 
     async def engine(*, task_status: trio.TaskStatus[None]) -> None:
         async with handshake_peer(0, address) as peer:
@@ -331,7 +331,7 @@ async def test_the_startup_error_says_how_far_an_engine_got(stage: str) -> None:
 
 async def test_ranks_of_one_group_are_sent_where_to_meet_as_vllms_front_end_does() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
-    remote = RemoteEngines(address, liveness_interval_s=None, data_parallel_master_ip="127.0.0.1")
+    remote = RemoteEngines(address, data_parallel_master_ip="127.0.0.1")
     configs: list[dict[str, Any]] = []
 
     async def engine(rank: int, *, task_status: trio.TaskStatus[None]) -> None:
@@ -384,7 +384,7 @@ async def test_ranks_that_form_no_group_are_sent_no_parallel_config() -> None:
             with pytest.raises(EngineStartupError, match="said HELLO but never READY"):
                 async with open_engine_client(
                     EngineConfig(),
-                    remote=RemoteEngines(address, liveness_interval_s=None),
+                    remote=RemoteEngines(address),
                     ready_timeout_s=1,
                 ):
                     pytest.fail("the peer never finishes starting")
@@ -581,24 +581,11 @@ async def test_a_refused_peer_that_keeps_reconnecting_is_counted_not_kept(
     assert strangers[-1][0].decode() not in message.split("most recently")[0]
 
 
-def test_liveness_settings_are_validated() -> None:
-    for bad in (0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="liveness_interval_s"):
-            RemoteEngines("tcp://127.0.0.1:5555", liveness_interval_s=bad)
-        with pytest.raises(ValueError, match="liveness_timeout_s"):
-            RemoteEngines("tcp://127.0.0.1:5555", liveness_timeout_s=bad)
-    with pytest.raises(ValueError, match="liveness_timeout_s"):
-        RemoteEngines("tcp://127.0.0.1:5555", liveness_timeout_s=None)  # type: ignore[arg-type]
-    assert (
-        RemoteEngines("tcp://127.0.0.1:5555", liveness_interval_s=None).liveness_interval_s is None
-    )
-
-
-async def test_a_remote_engine_killed_with_sigkill_is_noticed_by_the_liveness_check() -> None:
+async def test_a_remote_engine_killed_with_sigkill_is_noticed_by_its_lost_connection() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     config = EngineConfig(data_parallel_size=2, step_time_s=0.01)
     commands = [headless_command(config.evolve(data_parallel_rank=r), address) for r in range(2)]
-    remote = RemoteEngines(address, liveness_interval_s=0.2, liveness_timeout_s=1.0)
+    remote = RemoteEngines(address)
     failures: dict[str, BaseException] = {}
     with trio.fail_after(60):
         async with running(commands) as processes:
@@ -624,10 +611,11 @@ async def test_a_remote_engine_killed_with_sigkill_is_noticed_by_the_liveness_ch
                         killed_at = trio.current_time()
                         while "on-1" not in failures:
                             await trio.sleep(0.01)
-                        # Found by the checks: within interval + timeout, with slack.
-                        assert trio.current_time() - killed_at < 5
+                        # Its connection closes at once; the grace to reconnect is
+                        # 0.5 s; the bound has slack for a loaded machine.
+                        assert trio.current_time() - killed_at < 3
                         nursery.cancel_scope.cancel()
-    assert "liveness check" in str(failures["on-1"])
+    assert "connection was lost" in str(failures["on-1"])
     assert "engine rank 1" in str(failures["on-1"])
     assert "on-0" not in failures
 

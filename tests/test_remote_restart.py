@@ -88,8 +88,6 @@ def remote_engines(starter: HandStarter, publics: list[bytes]) -> RemoteEngines:
     return RemoteEngines(
         starter.address,
         curve=CurveServer.from_files(starter.client_secret, publics),
-        liveness_interval_s=0.2,
-        liveness_timeout_s=0.8,
         locations={0: "host-a", 1: "host-b, start 1"},
         restarter=starter,
     )

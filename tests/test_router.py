@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from trio_enginecore.client import EngineLoad, LeastLoaded, PowerOfTwoChoices
-from trio_enginecore.client._launch import EngineHandle
+from trio_enginecore.client._engines import EngineHandle
 from trio_enginecore.client._router import DataParallelRole, Router, WaveFollower
 from trio_enginecore.config import EngineConfig
 from trio_enginecore.coordinator import CoordinatorAddresses
@@ -198,7 +198,7 @@ def test_the_router_sees_engines_added_to_its_list_in_place() -> None:
 
 
 def out_of_service(router: Router, engine: EngineHandle) -> None:
-    engine.alive = False
+    engine.state = "dead"
     engine.death = "killed by signal 9"
     router.take_out(engine)
 

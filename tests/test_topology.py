@@ -9,12 +9,12 @@ import pytest
 from trio_enginecore._curve import CurveKeyPair, CurveServer
 from trio_enginecore._listeners import ListenerFd
 from trio_enginecore.client import LeastLoaded, Liveness, RemoteEngines
+from trio_enginecore.client._liveness_rules import DEFAULT_LIVENESS, RECONNECT_GRACE_S
 from trio_enginecore.client._router import DataParallelRole
 from trio_enginecore.client._topology import (
     ATTRIBUTION_WINDOW_S,
     EXTERNAL_LB_NEEDS_COORDINATOR,
     CoordinatorSource,
-    LivenessChecks,
     Topology,
     plan_topology,
 )
@@ -95,9 +95,10 @@ def test_launched_engines_sockets_are_in_the_private_directory() -> None:
 
 
 def test_launched_engines_are_checked_too_since_a_live_process_may_be_hung() -> None:
-    """Their exits say when they die, but not when they hang: the checks do."""
-    topology = plan_topology(single(), liveness=Liveness(1.0, 2.0))
-    assert topology.liveness == LivenessChecks(interval_s=1.0, timeout_s=2.0, kind="launched")
+    """Their exits say when they die, but not when they stop or hang: the checks do."""
+    liveness = Liveness(heartbeat_interval_s=1.0, progress_timeout_s=2.0)
+    topology = plan_topology(single(), liveness=liveness)
+    assert topology.liveness == liveness
     # Their exits still identify the sender of an ENGINE_CORE_DEAD promptly.
     assert topology.attribution_window_s == ATTRIBUTION_WINDOW_S
 
@@ -115,7 +116,8 @@ def test_the_attribution_window_of_launched_engines_is_two_seconds() -> None:
 
 
 def test_attaching_is_the_plan_with_both_addresses() -> None:
-    assert attach(single(), Liveness(interval_s=1.5, timeout_s=4.0)) == Topology(
+    liveness = Liveness(heartbeat_interval_s=1.5, heartbeat_timeout_s=4.0)
+    assert attach(single(), liveness) == Topology(
         input_address=INPUT,
         output_address=OUTPUT,
         handshake_address=None,
@@ -126,8 +128,8 @@ def test_attaching_is_the_plan_with_both_addresses() -> None:
         curve=None,
         local_engine_keys=False,
         coordinator=CoordinatorSource.NONE,
-        liveness=LivenessChecks(interval_s=1.5, timeout_s=4.0, kind="attached"),
-        attribution_window_s=1.5 + 4.0 + ATTRIBUTION_WINDOW_S,
+        liveness=liveness,
+        attribution_window_s=1.5 + 4.0 + RECONNECT_GRACE_S + ATTRIBUTION_WINDOW_S,
     )
 
 
@@ -165,6 +167,12 @@ def test_attaching_without_liveness_has_no_checks_and_no_attribution_window() ->
     assert topology.attribution_window_s is None
 
 
+def test_attaching_without_heartbeats_has_no_attribution_window() -> None:
+    """Nothing then tells which engine went away after its ENGINE_CORE_DEAD."""
+    topology = attach(single(), liveness=Liveness(heartbeat_interval_s=None))
+    assert topology.attribution_window_s is None
+
+
 @pytest.mark.parametrize(
     ("input_address", "output_address"), [(INPUT, None), (None, OUTPUT)], ids=["input", "output"]
 )
@@ -191,8 +199,9 @@ def test_one_attach_address_together_with_remote_engines_names_the_missing_addre
 
 
 def test_remote_engines_are_the_plan_with_a_handshake_over_tcp() -> None:
-    remote = RemoteEngines(REMOTE, liveness_interval_s=3.0, liveness_timeout_s=9.0)
-    assert plan_topology(single(), remote=remote) == Topology(
+    remote = RemoteEngines(REMOTE)
+    liveness = Liveness(heartbeat_interval_s=3.0, heartbeat_timeout_s=9.0)
+    assert plan_topology(single(), remote=remote, liveness=liveness) == Topology(
         input_address="tcp://127.0.0.1:*",
         output_address="tcp://127.0.0.1:*",
         handshake_address=REMOTE,
@@ -203,8 +212,8 @@ def test_remote_engines_are_the_plan_with_a_handshake_over_tcp() -> None:
         curve=None,
         local_engine_keys=False,
         coordinator=CoordinatorSource.NONE,
-        liveness=LivenessChecks(interval_s=3.0, timeout_s=9.0, kind="remote"),
-        attribution_window_s=3.0 + 9.0 + ATTRIBUTION_WINDOW_S,
+        liveness=liveness,
+        attribution_window_s=3.0 + 9.0 + RECONNECT_GRACE_S + ATTRIBUTION_WINDOW_S,
     )
 
 
@@ -214,36 +223,25 @@ def test_remote_engines_addresses_need_no_private_directory() -> None:
     assert topology.attached is False
 
 
-def test_remote_engines_have_the_default_liveness_checks() -> None:
-    topology = plan_topology(single(), remote=RemoteEngines(REMOTE))
-    # Defaults that notice a hang within 2 s on loopback.
-    assert topology.liveness == LivenessChecks(interval_s=0.4, timeout_s=1.2, kind="remote")
-    assert topology.attribution_window_s == 0.4 + 1.2 + ATTRIBUTION_WINDOW_S
-
-
-def test_remote_engines_checks_ignore_the_attached_liveness() -> None:
-    remote = RemoteEngines(REMOTE, liveness_interval_s=3.0, liveness_timeout_s=9.0)
-    topology = plan_topology(single(), remote=remote, liveness=Liveness(1.0, 1.0))
-    assert topology.liveness == LivenessChecks(interval_s=3.0, timeout_s=9.0, kind="remote")
-
-
-def test_remote_engines_without_liveness_checks_have_no_attribution_window() -> None:
-    remote = RemoteEngines(REMOTE, liveness_interval_s=None)
-    topology = plan_topology(single(), remote=remote, liveness=Liveness(1.0, 1.0))
-    assert topology.liveness is None
-    assert topology.attribution_window_s is None
+def test_remote_engines_are_checked_as_every_other_kind() -> None:
+    """One ``Liveness`` for every kind of engine: no second set on ``RemoteEngines``."""
+    topology = plan_topology(single(), remote=RemoteEngines(REMOTE), liveness=DEFAULT_LIVENESS)
+    assert topology.liveness is DEFAULT_LIVENESS
+    assert topology.attribution_window_s == pytest.approx(0.3 + 1.5 + 0.5 + ATTRIBUTION_WINDOW_S)
+    assert not hasattr(RemoteEngines(REMOTE), "liveness_interval_s")
 
 
 def test_ranks_not_named_remote_are_launched_here_over_tcp_with_no_private_directory() -> None:
-    remote = joining(RemoteEngines(REMOTE, liveness_interval_s=2.0, liveness_timeout_s=6.0), 1)
-    topology = plan_topology(balanced(2), remote=remote)
+    remote = joining(RemoteEngines(REMOTE), 1)
+    liveness = Liveness(heartbeat_interval_s=2.0, heartbeat_timeout_s=6.0)
+    topology = plan_topology(balanced(2), remote=remote, liveness=liveness)
     assert (topology.ranks, topology.launched) == ((0, 1), (0,))
     # They use TCP like the remote ones; without CURVE there are no key files to keep.
     assert topology.private_dir is False
     assert topology.handshake_address == REMOTE
-    assert topology.liveness == LivenessChecks(interval_s=2.0, timeout_s=6.0, kind="remote")
-    # Not every engine is a child process: the remote one's death shows in the checks.
-    assert topology.attribution_window_s == 2.0 + 6.0 + ATTRIBUTION_WINDOW_S
+    assert topology.liveness == liveness
+    # Not every engine is a child process: the remote one's death shows in its connection.
+    assert topology.attribution_window_s == 2.0 + 6.0 + RECONNECT_GRACE_S + ATTRIBUTION_WINDOW_S
 
 
 def test_remote_ranks_naming_a_rank_the_role_does_not_have_raise_value_error() -> None:

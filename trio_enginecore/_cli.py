@@ -275,7 +275,10 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--enable-fault-injection",
         action="store_true",
-        help="enable the inject_fault utility that kills the engine on purpose (tests only)",
+        help=(
+            "enable the utilities that make the engine fail or stall on purpose "
+            "(inject_fault, stall, stall_steps; tests only)"
+        ),
     )
     _add_log_level(serve)
 

@@ -122,8 +122,11 @@ class EngineConfig:
     either way, so vLLM clients of each release can use it."""
 
     enable_fault_injection: bool = attrs.field(default=False, validator=_boolean)
-    """Enable the ``inject_fault`` utility, which makes the engine fail on purpose (for
-    tests of the client's failure handling). Never enable it in production."""
+    """Enable the utilities that make the engine fail or stall on purpose, for tests of
+    a client's failure handling: ``inject_fault`` (the next step fails fatally),
+    ``stall(seconds)`` (a utility that holds the engine's thread) and
+    ``stall_steps(seconds)`` (every step holds it: slow, or with a long time hung).
+    Never enable it in production."""
 
     def __attrs_post_init__(self) -> None:
         if self.data_parallel_rank >= self.data_parallel_size:

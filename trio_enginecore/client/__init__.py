@@ -10,6 +10,7 @@ from ..coordinator import (
 )
 from ._client import TrioEngineClient as TrioEngineClient
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
+from ._engines import EngineHandle as EngineHandle
 from ._factory import (
     ClientKind as ClientKind,
     make_client as make_client,
@@ -27,7 +28,6 @@ from ._interface import (
     EngineState as EngineState,
     EngineStatus as EngineStatus,
 )
-from ._launch import EngineHandle as EngineHandle
 from ._lb import (
     EngineConsensusError as EngineConsensusError,
     EngineLoad as EngineLoad,
@@ -35,6 +35,7 @@ from ._lb import (
     LoadBalancer as LoadBalancer,
     PowerOfTwoChoices as PowerOfTwoChoices,
 )
+from ._liveness_rules import Liveness as Liveness
 from ._mp import (
     DPLBTrioMPClient as DPLBTrioMPClient,
     DPTrioMPClient as DPTrioMPClient,
@@ -46,7 +47,6 @@ from ._ray import open_ray_engine_client as open_ray_engine_client
 from ._ray_engines import PlacementStrategy as PlacementStrategy, RayEngines as RayEngines
 from ._remote import (
     EngineRestarter as EngineRestarter,
-    Liveness as Liveness,
     RemoteEngines as RemoteEngines,
     RestartedEngine as RestartedEngine,
 )

@@ -24,7 +24,7 @@ from ..protocol import (
     UtilityOutput,
     UtilityRequest,
 )
-from ._launch import EngineHandle
+from ._engines import EngineHandle
 
 __all__ = ["UtilityCall", "UtilityCalls", "call_engines"]
 
@@ -89,6 +89,17 @@ class UtilityCalls:
             return
         call.reply = reply
         call.done.set()
+
+    def waiting_on(self, engine: EngineHandle) -> tuple[int, int]:
+        """The unanswered calls to ``engine``: the client's own, and its callers'."""
+        own = callers = 0
+        for call in self.pending.values():
+            if call.engine is engine and not call.done.is_set():
+                if call.internal:
+                    own += 1
+                else:
+                    callers += 1
+        return own, callers
 
     def fail(self, message: str, *, engine: EngineHandle | None = None) -> None:
         """Fail every unanswered call (to ``engine`` only, if given) with ``message``."""

@@ -26,8 +26,8 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError, UtilityCallError
 from ..protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
 from ._calls import call_engines
+from ._engines import EngineHandle
 from ._interface import AsyncEngineCoreClient, ClientStatistics
-from ._launch import EngineHandle
 from ._lb import LoadBalancer
 from ._options import FailurePolicy
 from ._restart import RESTART_NEEDS_LAUNCHED_ENGINES, Restart
@@ -128,6 +128,8 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
                 self._engine_back,
                 self._engine_given_up,
                 self._state.requests_lost,
+                self._state.engine_suspect,
+                self._state.engine_cleared,
             ),
         )
 
@@ -149,8 +151,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             self._waves.announce()  # wakes wave waiters, who then raise
             await self._transport.aclose()
             state.closed = True
-            for engine in state.engines:
-                engine.alive = False
+            state.engines_stopped()
             logger.debug("client closed")
 
     # ------------------------------------------------------------ public state

@@ -22,8 +22,8 @@ from ..engine import EngineCore, FatalEngineError
 from ..errors import EngineDeadError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, UtilityOutput, UtilityRequest
 from ._client import TrioEngineClient
+from ._engines import EngineHandle
 from ._interface import ClientStatistics
-from ._launch import EngineHandle
 from ._running import run_client
 from ._startup import settle_dialects
 from ._sync import EngineCoreClient

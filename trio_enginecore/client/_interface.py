@@ -40,10 +40,12 @@ R = TypeVar("R")
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-EngineState = Literal["alive", "restarting", "dead"]
-"""Where an engine stands: ``"alive"`` (serving, or still starting), ``"restarting"``
-(it died and is being launched again: the ``restart`` policy), ``"dead"`` (died, or
-stopped answering, and taken out of routing; or shut down with its client)."""
+EngineState = Literal["alive", "suspect", "restarting", "dead"]
+"""Where an engine stands: ``"alive"`` (serving, or still starting), ``"suspect"``
+(serving, but its connection was lost or it has made no progress for a while:
+declared dead if that goes on, back to ``"alive"`` when it shows life),
+``"restarting"`` (it died and is being launched again: the ``restart`` policy),
+``"dead"`` (died, and taken out of routing; or shut down with its client)."""
 
 
 @final
@@ -63,6 +65,8 @@ class EngineStatus:
     location: str | None = None
     """Where it runs, for remote engines (``RemoteEngines.locations``; a restart
     may move it), else None."""
+    suspicion: str | None = None
+    """Why it is ``"suspect"``, or None."""
 
 
 @final

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import fcntl
 import logging
 import os
@@ -11,18 +10,14 @@ import sys
 from collections.abc import Sequence
 from typing import Final
 
-import attrs
 import trio
 
 from ..config import EngineConfig
-from ..dialects import OLDEST, Dialect
-from ..protocol import EngineCoreReadyResponse, identity_for_rank
-from ._interface import EngineStatus
-from ._lb import EngineLoad
+from ._engines import EngineHandle
 
 __all__ = [
-    "EngineHandle",
     "arm_lifeline",
+    "close_lifeline",
     "engine_command",
     "engine_log_level",
     "engine_logger",
@@ -36,7 +31,6 @@ __all__ = [
 
 logger = logging.getLogger("trio_enginecore.client")
 
-STDERR_TAIL_LINES: Final = 20
 _STDERR_DRAIN_S: Final = 1.0
 _DEAD_ENGINE_EXIT_S: Final = 2.0
 _ENGINE_LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -153,86 +147,6 @@ def parse_relayed_line(line: str, previous: int | None) -> tuple[int, str]:
     return (logging.WARNING if previous is None else previous), line
 
 
-@attrs.define(eq=False)
-class EngineHandle:
-    """What the client knows about one engine."""
-
-    rank: int
-    identity: bytes
-    process: trio.Process | None = None
-    stderr_tail: collections.deque[str] = attrs.field(
-        factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES)
-    )
-    stderr_done: trio.Event = attrs.field(factory=trio.Event)
-    ready: EngineCoreReadyResponse | None = None
-    dialect: Dialect = OLDEST
-    """The wire form this engine's vLLM release reads, from its ready message (the
-    oldest supported until one says otherwise)."""
-    load: EngineLoad = attrs.field(factory=EngineLoad)
-    alive: bool = True
-    death: str | None = None
-    restarting: bool = False
-    """Dead, and being launched again (the ``restart`` policy)."""
-    restarts: int = 0
-    """How many times the client has restarted it."""
-    lifeline: int | None = None
-    """The write end of the engine's lifeline pipe, while the client holds it."""
-    location: str | None = None
-    """Where the engine runs, for an engine started elsewhere (its host, or the Ray
-    actor and node: :attr:`RemoteEngines.locations
-    <trio_enginecore.RemoteEngines.locations>`): part of how every message names the
-    engine (``engine rank 1 (host-b)``)."""
-
-    def prepare_restart(self) -> None:
-        """Forget the process that died, to launch another for the same rank."""
-        self.close_lifeline()
-        self.process = None
-        self.stderr_done = trio.Event()
-        self.ready = None
-        self.stderr_tail.clear()
-
-    def close_lifeline(self) -> None:
-        """Close the write end of the lifeline pipe (idempotent): a launched engine
-        still running then stops at once."""
-        if self.lifeline is not None:
-            fd, self.lifeline = self.lifeline, None
-            os.close(fd)
-
-    @classmethod
-    def for_rank(cls, rank: int) -> EngineHandle:
-        """A handle for the engine of data-parallel rank ``rank`` (its DEALER identity
-        as vLLM defines it)."""
-        return cls(rank=rank, identity=identity_for_rank(rank))
-
-    def describe(self) -> str:
-        pid = f", pid {self.process.pid}" if self.process is not None else ""
-        where = f" ({self.location})" if self.location is not None else ""
-        return f"engine rank {self.rank}{pid}{where}"
-
-    def status(self) -> EngineStatus:
-        """This engine's line of ``statistics().engines``."""
-        return EngineStatus(
-            self.rank,
-            "alive" if self.alive else "restarting" if self.restarting else "dead",
-            self.load.in_flight,
-            death=self.death,
-            restarts=self.restarts,
-            location=self.location,
-        )
-
-    def exit_description(self, *, with_name: bool = True, with_stderr: bool = True) -> str:
-        """How the engine's process ended, with its last stderr lines."""
-        parts = [self.describe()] if with_name else []
-        if self.process is not None and self.process.returncode is not None:
-            code = self.process.returncode
-            parts.append(
-                f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-            )
-        if with_stderr and self.stderr_tail:
-            parts.append("last stderr lines:\n  " + "\n  ".join(self.stderr_tail))
-        return "; ".join(parts)
-
-
 async def start_engine_process(
     engine: EngineHandle,
     command: list[str],
@@ -286,17 +200,32 @@ async def launch_engine(
         os.close(read_end)
 
 
+def close_lifeline(engine: EngineHandle) -> None:
+    """Close the write end of ``engine``'s lifeline pipe (idempotent): a launched engine
+    still running then stops at once."""
+    if engine.lifeline is not None:
+        fd, engine.lifeline = engine.lifeline, None
+        os.close(fd)
+
+
 async def stop_engines(engines: Sequence[EngineHandle], timeout_s: float) -> None:
     """Stop the launched ones among ``engines``: SIGTERM, then SIGKILL after
-    ``timeout_s``; then relay their last stderr lines and close their lifelines.
-    Every engine is marked not alive."""
+    ``timeout_s``; then relay their last stderr lines and close their lifelines."""
     processes = [e.process for e in engines if e.process is not None]
     # An engine that reported a fatal error is on its way out: a SIGTERM now would
-    # cut off its last log lines, which say why it failed.
-    with trio.move_on_after(min(_DEAD_ENGINE_EXIT_S, timeout_s)):
-        for engine in engines:
-            if engine.process is not None and engine.death is not None:
-                await engine.process.wait()
+    # cut off its last log lines, which say why it failed. Only a process that died
+    # is waited for: a restarted engine's new process is healthy (its death, still
+    # recorded until it is ready, was the old process's), and waiting for it to exit
+    # by itself would stall every close during a restart.
+    dying = [
+        e.process
+        for e in engines
+        if e.process is not None and e.state == "dead" and e.process.returncode is None
+    ]
+    if dying:
+        with trio.move_on_after(min(_DEAD_ENGINE_EXIT_S, timeout_s)):
+            for process in dying:
+                await process.wait()
     for engine in engines:
         if engine.process is not None and engine.process.returncode is None:
             logger.debug("shutdown: sending SIGTERM to %s", engine.describe())
@@ -316,9 +245,8 @@ async def stop_engines(engines: Sequence[EngineHandle], timeout_s: float) -> Non
             if engine.process is not None:
                 await engine.stderr_done.wait()
     for engine in engines:
-        engine.alive = False
         # The engines have exited (after SIGTERM, or SIGKILL): their lifelines go.
-        engine.close_lifeline()
+        close_lifeline(engine)
         if engine.process is not None:
             logger.debug("shutdown: %s", engine.exit_description(with_stderr=False))
             if engine.process.stderr is not None:

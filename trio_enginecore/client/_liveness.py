@@ -1,33 +1,63 @@
-"""Noticing that an engine died, and telling which one it was.
+"""Noticing that an engine died or hung, and telling which one it was.
 
-Three ways an engine's death is seen, one task each:
+The settings and the rules are in :mod:`._liveness_rules`; here are the tasks that
+apply them, each reporting to the client's state, which decides (see
+:mod:`._engines`):
 
-* a launched engine's process exits (:func:`watch_process`);
-* a remote or attached engine, which is no child process of ours, stops answering a
-  cheap utility call within a deadline (:func:`check_liveness`): ZeroMQ reconnects
-  silently, so nothing else would notice it being killed, hung or cut off;
-* an engine sends ENGINE_CORE_DEAD, one frame that does not say who sent it
-  (:class:`DeathAttribution`): with several engines the sender exits right after (or
-  falls silent), and that says which it was; if nothing does within a bounded time,
-  every engine is failed.
+* :func:`watch_process`: a launched engine's process exits;
+* :class:`ConnectionWatch`: an engine's connection to the input socket closes, or goes
+  silent under ZeroMQ heartbeats (killed, stopped, cut off), whatever kind of engine
+  it is; it is suspect at once and dead unless it shows life on a new connection
+  within :data:`~._liveness_rules.RECONNECT_GRACE_S`;
+* :class:`ProgressWatch`: an engine with work makes no progress for
+  ``progress_timeout_s`` (hung), with a cheap utility call every so often
+  (:func:`keep_asking`) so that an idle engine has work too;
+* :class:`DeathAttribution`: an engine sends ENGINE_CORE_DEAD, one frame that does not
+  say who sent it: with several engines the sender exits right after (or its
+  connection closes), and that says which it was; if nothing does within a bounded
+  time, every engine is failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import final
+from typing import Final, final
 
 import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from .._zmq import TrioSocket
 from ..errors import EngineDeadError
-from ._launch import EngineHandle
+from ._engines import EngineHandle
+from ._liveness_rules import RECONNECT_GRACE_S, ConnectionTable, Liveness, ProgressClock
 from ._transport import ClientLink
 
-__all__ = ["DeathAttribution", "check_liveness", "watch_process"]
+__all__ = [
+    "ConnectionWatch",
+    "DeathAttribution",
+    "ProgressWatch",
+    "keep_asking",
+    "watch_process",
+]
 
 logger = logging.getLogger("trio_enginecore.client")
 
-_STDERR_WAIT_S = 1.0
+_STDERR_WAIT_S: Final = 1.0
+_MONITORED: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_GRACE_POLL_S: Final = 0.02
+
+
+def _kill_if_ours(engine: EngineHandle) -> str:
+    """Kill the engine's process if the client launched it and it still runs (a hung
+    or stopped engine holds memory and devices until it goes): what to add to the
+    reason."""
+    process = engine.process
+    if process is not None and process.returncode is None:
+        process.kill()
+        return "; killed it"
+    return ""
 
 
 async def watch_process(engine: EngineHandle, link: ClientLink) -> None:
@@ -39,55 +69,219 @@ async def watch_process(engine: EngineHandle, link: ClientLink) -> None:
     if not link.state.closing:
         with trio.move_on_after(_STDERR_WAIT_S):
             await engine.stderr_done.wait()
-        link.engine_died(engine, engine.exit_description(with_name=False))
+        if engine.process is process:
+            link.engine_died(engine, engine.exit_description(with_name=False))
         logger.debug("engine exit code %d", code)
 
 
-async def check_liveness(
-    engine: EngineHandle, link: ClientLink, *, interval_s: float, timeout_s: float, kind: str
-) -> None:
-    """Every ``interval_s``, ping ``engine``; report it dead when a ping is not
-    answered within ``timeout_s``, and kill it if it is a process of ours (a hung
-    engine holds memory and devices until it goes). Ends when the engine is dead or
-    the client closes; a client failed by another engine's death keeps watching it,
-    since its streams go on."""
-    answered = trio.current_time()
+@final
+class ConnectionWatch:
+    """Follows the connections of the client's input ROUTER, and reports an engine
+    whose connection was lost (see :class:`~._liveness_rules.ConnectionTable`).
+
+    Create it before the socket is bound, so that no connection is missed; claim each
+    engine's connection with the descriptor its ready message came on (:meth:`claim`);
+    run :meth:`run` in the client's nursery.
+
+    Args:
+        sock: the input ROUTER (with heartbeats set).
+        link: the client's link.
+        liveness: the settings (for the messages).
+    """
+
+    def __init__(self, sock: TrioSocket, link: ClientLink, liveness: Liveness) -> None:
+        self.sock = sock
+        self.link = link
+        self.liveness = liveness
+        self.table = ConnectionTable()
+        self.monitor = TrioSocket(sock.raw.get_monitor_socket(_MONITORED))
+        self._claims: list[tuple[int, EngineHandle]] = []
+        self._wake: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
+        self._in_grace: set[int] = set()
+
+    def claim(self, fd: int, engine: EngineHandle) -> None:
+        """``engine``'s ready message came on descriptor ``fd`` (applied by the watch
+        task, after the events queued before it)."""
+        self._claims.append((fd, engine))
+        if self._wake is not None:
+            self._wake.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply the monitor's events and the claims until cancelled; the monitor
+        socket is closed on the way out."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                while True:
+                    with trio.CancelScope() as self._wake:
+                        if not self._claims:
+                            for frames in await self.monitor.drain():
+                                self._apply(frames)
+                    self._wake = None
+                    # Every event queued before a claimed message was queued before
+                    # it was received: apply them all, then the claims.
+                    self._apply_queued()
+                    claims, self._claims = self._claims, []
+                    for fd, engine in claims:
+                        if not self.table.claim(fd, engine.identity):
+                            self._lost(engine)
+        finally:
+            self._nursery = None
+            if not self.sock.closed:
+                self.sock.raw.disable_monitor()
+            self.monitor.close(linger=0)
+
+    def _apply_queued(self) -> None:
+        raw = self.monitor.raw
+        while True:
+            try:
+                frames = raw.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._apply(frames)
+
+    def _apply(self, frames: list[bytes | memoryview] | list[bytes]) -> None:
+        event = parse_monitor_message([bytes(frame) for frame in frames])
+        fd = int(event["value"])
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            self.table.accepted(fd)
+            return
+        identity = self.table.disconnected(fd)
+        if identity is None:
+            return
+        engine = next((e for e in self.link.state.engines if e.identity == identity), None)
+        if engine is not None:
+            self._lost(engine)
+
+    def _lost(self, engine: EngineHandle) -> None:
+        if not engine.alive or self.link.state.closing or self._nursery is None:
+            return
+        heartbeat = (
+            f", or it answered no heartbeat for {self.liveness.heartbeat_timeout_s:g} s"
+            if self.liveness.heartbeat_interval_s is not None
+            else ""
+        )
+        suspicion = f"its connection was lost (closed by its end{heartbeat})"
+        if id(engine) in self._in_grace:
+            return
+        self._in_grace.add(id(engine))
+        # Suspect already (no progress for a while, say): the connection decides now.
+        self.link.engine_suspect(engine, suspicion)
+        self._nursery.start_soon(self._grace, engine, suspicion)
+
+    async def _grace(self, engine: EngineHandle, suspicion: str) -> None:
+        """Wait a moment for the engine to show life (a message; a new connection
+        claimed by a second ready message); else it is dead."""
+        try:
+            heard = engine.heard
+            self._nursery_ping(engine)
+            with trio.move_on_after(RECONNECT_GRACE_S):
+                while engine.alive:
+                    if engine.heard != heard or self.table.connected(engine.identity):
+                        self.link.engine_cleared(engine)
+                        return
+                    await trio.sleep(_GRACE_POLL_S)
+                return  # declared dead meanwhile (its exit, say)
+            if engine.alive:
+                reason = (
+                    f"{suspicion} and not made again within {RECONNECT_GRACE_S:g} s: it "
+                    "was killed or stopped, or the network between us failed"
+                )
+                self.link.engine_died(engine, reason + _kill_if_ours(engine))
+        finally:
+            self._in_grace.discard(id(engine))
+
+    def _nursery_ping(self, engine: EngineHandle) -> None:
+        # An engine that reconnected (a connection reset on the path, say) and is
+        # between steps answers at once: that is the life it shows.
+        assert self._nursery is not None
+        self._nursery.start_soon(_ask_quietly, self.link, engine)
+
+
+async def _ask_quietly(link: ClientLink, engine: EngineHandle) -> None:
+    with contextlib.suppress(EngineDeadError, trio.ClosedResourceError):
+        await link.ping(engine)
+
+
+async def keep_asking(engine: EngineHandle, link: ClientLink, interval_s: float) -> None:
+    """Every ``interval_s`` (once the previous call was answered), ask ``engine`` a
+    cheap utility: an idle engine then has work, and a hung one leaves it unanswered
+    for :class:`ProgressWatch` to see. Ends when the engine is dead or the client
+    closes; a client failed by another engine's death keeps asking, since the
+    engine's streams go on."""
     while True:
         await trio.sleep(interval_s)
-        with trio.move_on_after(timeout_s) as unanswered:
-            try:
-                await link.ping(engine)
-            except trio.ClosedResourceError:
-                return
-            except EngineDeadError:
-                if not engine.alive:
-                    return
-                if link.state.failure is not None:
-                    # Failed with the client, unanswered: the engine's streams go on
-                    # (under "fail"), so it is still watched.
-                    continue
-                # The check was failed with the requests of an engine that came back
-                # on its own (a second ready message): it spoke, so it lives.
-        if not unanswered.cancelled_caught:
-            answered = trio.current_time()
+        if not engine.alive:
+            return
+        try:
+            await link.ping(engine)
+        except trio.ClosedResourceError:
+            return
+        except EngineDeadError:
+            # It died (the loop ends), or the client failed with another engine, or
+            # the call was failed with the requests of an engine that came back on
+            # its own (ask again later).
             continue
-        silent_s = trio.current_time() - answered
-        process = engine.process
-        if process is not None and process.returncode is None:
-            link.engine_died(
-                engine,
-                f"stopped responding for {silent_s:.1f} s (no answer to a liveness check "
-                f"within {timeout_s:g} s: hung, or stopped); killed it",
+
+
+@final
+class ProgressWatch:
+    """Declares dead an engine that has made no progress for ``timeout_s`` while it had
+    work (see :class:`~._liveness_rules.ProgressClock`); suspect after half of it.
+
+    Args:
+        link: the client's link.
+        timeout_s: the progress timeout.
+    """
+
+    def __init__(self, link: ClientLink, timeout_s: float) -> None:
+        self.link = link
+        self.timeout_s = timeout_s
+        self._clocks: dict[int, ProgressClock] = {}
+        self._suspected: set[int] = set()
+
+    async def run(self) -> None:
+        tick = min(1.0, self.timeout_s / 10)
+        while True:
+            await trio.sleep(tick)
+            self.check(trio.current_time())
+
+    def check(self, now: float) -> None:
+        """Look at every engine once."""
+        state = self.link.state
+        if state.closing:
+            return
+        for engine in state.engines:
+            key = id(engine)
+            if not engine.alive:
+                self._clocks.pop(key, None)
+                self._suspected.discard(key)
+                continue
+            own, callers = state.calls.waiting_on(engine)
+            requests = engine.load.in_flight
+            stalled = self._clocks.setdefault(key, ProgressClock()).observe(
+                now, heard=engine.heard, busy=requests > 0 or own > 0, excused=callers > 0
             )
-            process.kill()
-        else:
-            link.engine_died(
-                engine,
-                f"no answer to a liveness check within {timeout_s:g} s (the {kind} "
-                f"engine stopped responding {silent_s:.1f} s ago, or the network "
-                "between us failed)",
-            )
-        return
+            if stalled >= self.timeout_s:
+                self._suspected.discard(key)
+                self.link.engine_died(engine, self._hung(stalled, requests) + _kill_if_ours(engine))
+            elif stalled >= self.timeout_s / 2:
+                if key not in self._suspected and self.link.engine_suspect(
+                    engine, f"no progress for {stalled:.1f} s with {requests} request(s) pending"
+                ):
+                    self._suspected.add(key)
+            elif key in self._suspected:
+                self._suspected.discard(key)
+                self.link.engine_cleared(engine)
+
+    def _hung(self, stalled: float, requests: int) -> str:
+        return (
+            f"no progress for {stalled:.1f} s with {requests} request(s) pending (no output, "
+            "and no reply to the client's liveness call): hung; raise "
+            f"Liveness.progress_timeout_s ({self.timeout_s:g} s) if your steps are longer"
+        )
 
 
 @final

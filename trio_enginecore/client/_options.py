@@ -15,7 +15,8 @@ import attrs
 from .._listeners import ListenerFd
 from ..coordinator import CoordinatorAddresses
 from ._lb import LoadBalancer
-from ._remote import DEFAULT_LIVENESS, Liveness, RemoteEngines
+from ._liveness_rules import DEFAULT_LIVENESS, Liveness
+from ._remote import RemoteEngines
 from ._restart import Restart
 from ._settings_checks import positive_number
 

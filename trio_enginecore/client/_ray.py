@@ -116,8 +116,6 @@ class RaySession:
         remote = RemoteEngines(
             self._handshake_address,
             curve=self._curve,
-            liveness_interval_s=spec.liveness_interval_s,
-            liveness_timeout_s=spec.liveness_timeout_s,
             locations={rank: describe_location(self.where[rank]) for rank in ranks},
             restarter=self,
         )

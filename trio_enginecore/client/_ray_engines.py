@@ -92,10 +92,6 @@ class RayEngines:
             node*, of each rank's secret key file (``NAME.key_secret`` of
             ``trio-enginecore keygen``), in the client's rank order: provisioned by
             the operator (or on a shared file system); only the path goes through Ray.
-        liveness_interval_s: how often to check that each engine answers; ``None``
-            disables the checks, and with them the only way the client notices an
-            actor's death (see :class:`~trio_enginecore.RemoteEngines`).
-        liveness_timeout_s: the time an engine has to answer a check.
         stop_timeout_s: how long an engine may take to exit when the client closes,
             before it is killed.
         engine_log_level: the engines' ``--log-level`` (their logs go to the actors'
@@ -120,8 +116,6 @@ class RayEngines:
     )
     curve: CurveServer | Literal["ephemeral"] | None = None
     engine_secret_keys: tuple[str, ...] = attrs.field(default=(), converter=_paths)
-    liveness_interval_s: float | None = attrs.field(default=0.4, validator=_positive_or_none)
-    liveness_timeout_s: float = attrs.field(default=1.2, validator=_positive)
     stop_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     engine_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
 

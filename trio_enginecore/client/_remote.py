@@ -13,7 +13,7 @@ import attrs
 from .._curve import CurveServer
 from ._settings_checks import positive_number
 
-__all__ = ["EngineRestarter", "Liveness", "RemoteEngines", "RestartedEngine", "connectable"]
+__all__ = ["EngineRestarter", "RemoteEngines", "RestartedEngine", "connectable"]
 
 _ALL_INTERFACES: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
@@ -65,33 +65,6 @@ def _locations(locations: Mapping[int, str]) -> Mapping[int, str]:
 
 _positive: Final = positive_number("RemoteEngines")
 _positive_or_none: Final = positive_number("RemoteEngines", optional=True)
-
-
-@attrs.frozen
-class Liveness:
-    """How often a client checks that each engine still answers, and how long an
-    answer may take.
-
-    A process that is alive is not an engine that works: one stuck in a deadlock, a
-    collective that never completes, or stopped (``SIGSTOP``) keeps its requests
-    waiting for ever, and an engine the client attached to is no child process of the
-    client at all (nothing says when it is killed; ZeroMQ reconnects silently). So the
-    client calls a cheap utility every engine answers, vLLM's included
-    (``is_sleeping``), every ``interval_s``, and declares the engine dead when no answer
-    (a failure reply counts as one) comes within ``timeout_s``: its requests fail with
-    ``EngineDeadError``, as on any engine death, whose message says how long it stopped
-    responding; an engine the client launched is killed. The defaults notice a hang
-    within 2 s. Keep ``timeout_s`` well above the engine's longest step: an engine
-    answers between steps. Engines that join through the handshake from other hosts
-    have the same checks, set on :class:`RemoteEngines`.
-    """
-
-    interval_s: float = attrs.field(default=0.4, validator=positive_number("Liveness"))
-    timeout_s: float = attrs.field(default=1.2, validator=positive_number("Liveness"))
-
-
-DEFAULT_LIVENESS: Final = Liveness()
-"""The checks of attached engines unless the caller chooses others (or ``None``)."""
 
 
 @final
@@ -164,13 +137,6 @@ class RemoteEngines:
             itself, on this host (over TCP as well, with a key pair of their own when
             ``curve`` is set). ``None`` (the default): every rank is remote.
         all_interfaces: allow a wildcard ``HOST``.
-        liveness_interval_s: how often to check that each engine still answers (a cheap
-            utility call); ``None`` disables the checks. There is no process to watch
-            for a remote engine, so this is how its death is noticed.
-        liveness_timeout_s: an engine that has not answered a check within this time
-            is declared dead: its requests fail with ``EngineDeadError`` and the
-            client fails as with a launched engine's death. Keep it well above your
-            engines' longest step: an engine answers between steps.
         data_parallel_master_ip: for ranks that form one torch data-parallel group
             (vLLM's MoE data parallelism, ``DPEngineCoreProc``) and were started by
             separate launchers (one ``vllm serve --headless`` per host): the address,
@@ -200,8 +166,6 @@ class RemoteEngines:
     ranks: frozenset[int] | None = attrs.field(default=None, converter=_optional_ranks)
     curve: CurveServer | None = None
     all_interfaces: bool = False
-    liveness_interval_s: float | None = attrs.field(default=0.4, validator=_positive_or_none)
-    liveness_timeout_s: float = attrs.field(default=1.2, validator=_positive)
     data_parallel_master_ip: str | None = None
     data_parallel_master_port: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))

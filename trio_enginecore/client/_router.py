@@ -27,7 +27,7 @@ from ..config import EngineConfig
 from ..coordinator import CoordinatorAddresses
 from ..errors import EngineDeadError, ProtocolError
 from ..protocol import CoordinatorPublication, EngineCoreRequest
-from ._launch import EngineHandle
+from ._engines import EngineHandle
 from ._lb import LoadBalancer
 
 __all__ = ["DataParallelRole", "Router", "WaveFollower"]

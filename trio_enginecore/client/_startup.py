@@ -14,7 +14,7 @@ what it is still waiting for.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import final
 
@@ -35,7 +35,7 @@ from ..protocol import (
     HandshakeReady,
 )
 from ..serial import Buffer, MsgpackDecoder
-from ._launch import EngineHandle
+from ._engines import EngineHandle
 from ._remote import RemoteEngines
 
 __all__ = ["StartupProgress", "group_hint", "handshake_metadata"]
@@ -159,9 +159,12 @@ class StartupProgress:
                 if isinstance(decoder.decode(payload), HandshakeReady):
                     self.handshake_ready.add(bytes(identity))
 
-    async def wait_ready(self, sock: TrioSocket) -> None:
+    async def wait_ready(
+        self, sock: TrioSocket, came_on: Callable[[int, EngineHandle], None] | None = None
+    ) -> None:
         """Wait for every engine's ready message on the input socket, keeping each
-        engine's decoded :class:`EngineCoreReadyResponse` (an empty one is allowed).
+        engine's decoded :class:`EngineCoreReadyResponse` (an empty one is allowed);
+        ``came_on(fd, engine)`` says which connection each came on.
 
         Raises:
             EngineStartupError: a ready message does not decode.
@@ -169,7 +172,7 @@ class StartupProgress:
         decoder = MsgpackDecoder(EngineCoreReadyResponse)
         waiting = {engine.identity: engine for engine in self.engines}
         while waiting:
-            frames = await sock.recv_multipart()
+            frames, fd = await sock.recv_multipart_with_source()
             if len(frames) != 2:
                 logger.warning("ignoring a %d-frame message on the input socket", len(frames))
                 continue
@@ -179,6 +182,8 @@ class StartupProgress:
                 logger.warning("ignoring a ready message from unexpected identity %r", identity)
                 continue
             self.ready_messages.add(identity)
+            if came_on is not None:
+                came_on(fd, engine)
             if len(payload):
                 try:
                     engine.ready = decoder.decode(payload)

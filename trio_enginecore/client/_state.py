@@ -32,8 +32,8 @@ from ..protocol import (
 )
 from ._calls import UtilityCalls
 from ._collector import BatchCollector
+from ._engines import EngineHandle
 from ._interface import ClientStatistics
-from ._launch import EngineHandle
 from ._stream import StreamFeed
 
 __all__ = ["MAX_TOMBSTONES", "ClientState"]
@@ -261,15 +261,17 @@ class ClientState:
         stream with :class:`~trio_enginecore.errors.ProtocolError` and abort its
         request. Every other request is served on.
         """
-        if not self._known_engine(message.engine_index):
+        engine = self._engine(message.engine_index)
+        if engine is None:
             self.protocol_errors += 1
             logger.error(
                 "dropping a message from engine index %r: this client has engines %s",
                 message.engine_index,
-                [engine.rank for engine in self.engines],
+                [known.rank for known in self.engines],
             )
             return
         self.messages += 1
+        engine.heard += 1
         if message.utility_output is not None:
             self.calls.resolve(message.utility_output)
             if not message.outputs:
@@ -304,11 +306,14 @@ class ClientState:
         self.protocol_errors += 1
         logger.error("dropping an undecodable output message: %s", error)
 
-    def _known_engine(self, engine_index: int) -> bool:
+    def _engine(self, engine_index: int) -> EngineHandle | None:
         engines = self.engines
         if len(engines) == 1:
-            return engines[0].rank == engine_index
-        return any(engine.rank == engine_index for engine in engines)
+            return engines[0] if engines[0].rank == engine_index else None
+        for engine in engines:
+            if engine.rank == engine_index:
+                return engine
+        return None
 
     def _route_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Hand stream outputs to their streams; return the ones for get_output()."""
@@ -366,43 +371,79 @@ class ClientState:
         or under ``route_around`` when no engine is left (none alive, none
         restarting); otherwise only the utility calls that engine owed fail, and
         under ``restart`` the engine is marked restarting. Returns whether this was
-        news (a live engine, the client open).
+        news (an engine in service, the client open).
         """
         if not engine.alive:
             return False
-        engine.alive = False
+        engine.state = "dead"
         engine.death = reason
+        engine.suspicion = None
         if self.closing:
             return False
         logger.error("%s died: %s", engine.describe(), reason)
-        engine.restarting = self.restarts
+        if self.restarts:
+            engine.state = "restarting"
         self._fail_engine(engine, f"{engine.describe()} died: {reason}")
         return True
+
+    def engine_suspect(self, engine: EngineHandle, reason: str) -> bool:
+        """An engine in service may be gone or stuck (``reason`` says why): it stays in
+        service, shown ``suspect``, until it shows life (:meth:`engine_cleared`) or is
+        declared dead. Returns whether this was news."""
+        if engine.state != "alive" or self.closing:
+            return False
+        engine.state = "suspect"
+        engine.suspicion = reason
+        logger.warning("%s is suspect: %s", engine.describe(), reason)
+        return True
+
+    def engine_cleared(self, engine: EngineHandle) -> None:
+        """A suspect engine showed life: ``alive`` again."""
+        if engine.state == "suspect":
+            logger.warning(
+                "%s shows life again (it was suspect: %s)", engine.describe(), engine.suspicion
+            )
+            engine.state = "alive"
+            engine.suspicion = None
 
     def engine_back(self, engine: EngineHandle) -> None:
         """A restarted engine is ready: back in service, and waiters for an engine
         wake up."""
-        engine.alive = True
-        engine.restarting = False
+        engine.state = "alive"
         engine.death = None
+        engine.suspicion = None
         engine.restarts += 1
         engine.load.waiting = engine.load.running = 0
         logger.warning("%s is back in service (restart %d)", engine.describe(), engine.restarts)
         self.engine_returned.set()
         self.engine_returned = trio.Event()
 
+    def restart_failed(self, engine: EngineHandle, reason: str) -> None:
+        """An attempt to restart ``engine`` failed; it stays ``restarting`` (the
+        restarter tries again, as the policy allows), and this is its death now."""
+        if engine.restarting:
+            engine.death = f"its restart failed: {reason}"
+
     def engine_given_up(self, engine: EngineHandle, reason: str) -> None:
         """A restarting engine will not be restarted again: it is dead for good, and
         the client fails if no engine is left."""
         if not engine.restarting:
             return
-        engine.restarting = False
+        engine.state = "dead"
         engine.death = reason
         if not self.closing:
             logger.error("%s: %s", engine.describe(), reason)
             self._fail_engine(engine, f"{engine.describe()}: {reason}")
         self.engine_returned.set()  # waiters for an engine look again, and raise
         self.engine_returned = trio.Event()
+
+    def engines_stopped(self) -> None:
+        """The client closed and its transport stopped: no engine is in service."""
+        for engine in self.engines:
+            if engine.state != "dead":
+                engine.state = "dead"
+                engine.death = engine.death or "stopped with the client"
+                engine.suspicion = None
 
     def requests_lost(self, engine: EngineHandle, reason: str) -> None:
         """A live engine lost this client's requests (it restarted, or reconnected,

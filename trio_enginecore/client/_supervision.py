@@ -34,7 +34,8 @@ from .._zmq import TrioSocket
 from ..errors import EngineDeadError, EngineStartupError, ProtocolError
 from ..protocol import EngineCoreReadyResponse
 from ..serial import Buffer, MsgpackDecoder
-from ._launch import EngineHandle
+from ._engines import EngineHandle
+from ._launch import close_lifeline
 from ._remote import EngineRestarter
 from ._restart import Restart, RestartBudget
 from ._router import Router
@@ -95,7 +96,8 @@ class ProcessRelaunch:
                 await engine.stderr_done.wait()
             if old.stderr is not None:
                 await old.stderr.aclose()
-        engine.prepare_restart()
+        close_lifeline(engine)
+        engine.forget_process()
         await self.launch(engine)
 
     async def ended(self, engine: EngineHandle) -> None:
@@ -127,7 +129,7 @@ class RemoteRelaunch:
         self.admit = admit
 
     async def start(self, engine: EngineHandle) -> None:
-        engine.prepare_restart()
+        engine.forget_process()
         try:
             started = await self.restarter.restart_engine(engine.rank)
         except (EngineStartupError, OSError):
@@ -193,6 +195,7 @@ class EngineSupervisor:
         relaunch: starts a dead engine again (see :class:`Relaunch`).
         back_in_service: starts what watches an engine that is ready again.
         ready_timeout_s: how long one restart may take to be ready.
+        came_on: told which connection each ready message came on.
     """
 
     def __init__(
@@ -208,6 +211,7 @@ class EngineSupervisor:
         relaunch: Relaunch | None = None,
         back_in_service: Callable[[EngineHandle], None] | None = None,
         ready_timeout_s: float = 60.0,
+        came_on: Callable[[int, EngineHandle], None] | None = None,
     ) -> None:
         self.link = link
         self.input_sock = input_sock
@@ -219,6 +223,7 @@ class EngineSupervisor:
         self.relaunch = relaunch
         self.back_in_service = back_in_service
         self.ready_timeout_s = ready_timeout_s
+        self.came_on = came_on
         self._budgets: dict[int, RestartBudget] = {}
         self._awaiting: dict[bytes, trio.Event] = {}
         self._to_restart, self._queue = trio.open_memory_channel[EngineHandle](float("inf"))
@@ -256,13 +261,15 @@ class EngineSupervisor:
         by_identity = {engine.identity: engine for engine in self.link.state.engines}
         while True:
             try:
-                frames = await self.input_sock.recv_multipart()
+                frames, fd = await self.input_sock.recv_multipart_with_source()
             except trio.ClosedResourceError:
                 return  # the client closed the socket: the normal way out
             engine = by_identity.get(bytes(frames[0])) if len(frames) == 2 else None
             if engine is None:
                 logger.warning("ignoring a message of %d frame(s) on the input socket", len(frames))
                 continue
+            if self.came_on is not None:
+                self.came_on(fd, engine)
             awaited = self._awaiting.pop(engine.identity, None)
             if awaited is not None:
                 if len(frames[1]):
@@ -308,7 +315,7 @@ class EngineSupervisor:
                 self.back_in_service(engine)
                 return
             logger.error("restarting %s failed: %s", engine.describe(), failure)
-            engine.death = f"its restart failed: {failure}"
+            self.link.state.restart_failed(engine, failure)
 
     async def _attempt(self, engine: EngineHandle) -> str | None:
         """Start the engine again and wait until it is ready: None, or why not."""

@@ -14,14 +14,14 @@ import attrs
 
 from .._curve import CurveServer
 from .._listeners import ListenerFd
-from ._remote import Liveness, RemoteEngines
+from ._liveness_rules import Liveness
+from ._remote import RemoteEngines
 from ._router import DataParallelRole
 
 __all__ = [
     "ATTRIBUTION_WINDOW_S",
     "EXTERNAL_LB_NEEDS_COORDINATOR",
     "CoordinatorSource",
-    "LivenessChecks",
     "Topology",
     "plan_topology",
 ]
@@ -52,18 +52,6 @@ class CoordinatorSource(enum.Enum):
 
 @final
 @attrs.frozen
-class LivenessChecks:
-    """The checks of engines that are no child processes of the client."""
-
-    interval_s: float
-    timeout_s: float
-    kind: str
-    """``"launched"``, ``"remote"`` or ``"attached"``: how the error message names the
-    engine."""
-
-
-@final
-@attrs.frozen
 class Topology:
     """Everything a multiprocess client decides before it binds or launches anything.
 
@@ -90,7 +78,8 @@ class Topology:
     """Engines launched beside CURVE-authenticated remote ones get a key pair of their
     own, which the client admits besides ``curve.allowed``."""
     coordinator: CoordinatorSource
-    liveness: LivenessChecks | None
+    liveness: Liveness | None
+    """How deaths and hangs are noticed (every kind of engine alike)."""
     attribution_window_s: float | None
     """How long to wait for the exit (or silence) of the sender of an
     ENGINE_CORE_DEAD before failing every engine; None: there is no way to tell."""
@@ -181,10 +170,9 @@ def plan_topology(
         curve=curve,
         local_engine_keys=curve is not None and bool(launched),
         coordinator=_coordinator_source(role, attach=attach),
-        liveness=_liveness_checks(remote, liveness, attach=attach),
+        liveness=liveness,
         attribution_window_s=_attribution_window(
-            every_engine_launched=launched == ranks,
-            checks=_liveness_checks(remote, liveness, attach=attach),
+            every_engine_launched=launched == ranks, liveness=liveness
         ),
     )
 
@@ -201,27 +189,11 @@ def _coordinator_source(role: DataParallelRole, *, attach: bool) -> CoordinatorS
     return CoordinatorSource.LAUNCHED
 
 
-def _liveness_checks(
-    remote: RemoteEngines | None, liveness: Liveness | None, *, attach: bool
-) -> LivenessChecks | None:
-    # A process exit is seen without them; a hang, and any death of an engine that is
-    # no child process of ours, only with them.
-    if remote is not None:
-        if remote.liveness_interval_s is None:
-            return None
-        return LivenessChecks(remote.liveness_interval_s, remote.liveness_timeout_s, "remote")
-    if liveness is None:
-        return None
-    return LivenessChecks(
-        liveness.interval_s, liveness.timeout_s, "attached" if attach else "launched"
-    )
-
-
-def _attribution_window(
-    *, every_engine_launched: bool, checks: LivenessChecks | None
-) -> float | None:
+def _attribution_window(*, every_engine_launched: bool, liveness: Liveness | None) -> float | None:
+    # The sender of ENGINE_CORE_DEAD exits: a launched one's exit is seen at once; any
+    # engine's closed connection, once its grace to reconnect is over.
     if every_engine_launched:
         return ATTRIBUTION_WINDOW_S
-    if checks is not None:
-        return checks.interval_s + checks.timeout_s + ATTRIBUTION_WINDOW_S
+    if liveness is not None and liveness.connection_loss_s is not None:
+        return liveness.connection_loss_s + ATTRIBUTION_WINDOW_S
     return None

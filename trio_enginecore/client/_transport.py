@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from ..protocol import EngineCoreRequest, UtilityRequest
-from ._launch import EngineHandle
+from ._engines import EngineHandle
 from ._router import WaveFollower
 from ._state import ClientState
 
@@ -53,6 +53,11 @@ class ClientLink:
     requests_lost: Callable[[EngineHandle, str], None]
     """A live engine lost the client's requests (it sent a second ready message:
     it restarted, or reconnected, on its own); the reason completes "engine rank N"."""
+    engine_suspect: Callable[[EngineHandle, str], bool]
+    """An engine in service may be gone or stuck, for this reason (it stays in
+    service); whether this was news."""
+    engine_cleared: Callable[[EngineHandle], None]
+    """A suspect engine showed life."""
 
 
 class Transport(Protocol):

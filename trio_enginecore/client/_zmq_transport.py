@@ -9,7 +9,9 @@ handshake, the ready messages. Then, in the client's nursery:
   socket brings, losing nothing to cancellation;
 * a **coordinator task** (data-parallel clients) follows the coordinator's
   publications: the engines' loads and the request wave (:mod:`._following`);
-* per engine, whatever notices its death (:mod:`._liveness`).
+* whatever notices an engine's death or hang (:mod:`._liveness`): its process exit
+  (launched engines), its connection to the input socket (kept under ZeroMQ
+  heartbeats), its progress.
 
 Sends are non-blocking multipart sends from the caller's task (atomic; a ROUTER with
 no high-water mark never refuses one).
@@ -47,12 +49,20 @@ from ..protocol import (
     UtilityRequest,
 )
 from ..serial import Buffer, MsgpackDecoder, MsgpackEncoder, request_for
+from ._engines import EngineHandle
 from ._following import CoordinatorFollower
 from ._ipc_dirs import private_ipc_dir
-from ._launch import EngineHandle, launch_engine, stop_engines
-from ._liveness import DeathAttribution, check_liveness, watch_process
+from ._launch import launch_engine, stop_engines
+from ._liveness import (
+    ConnectionWatch,
+    DeathAttribution,
+    ProgressWatch,
+    keep_asking,
+    watch_process,
+)
+from ._liveness_rules import Liveness
 from ._receive import receive_outputs
-from ._remote import Liveness, RemoteEngines, connectable
+from ._remote import RemoteEngines, connectable
 from ._restart import RESTART_NEEDS_LAUNCHED_ENGINES, Restart
 from ._router import DataParallelRole
 from ._startup import StartupProgress, group_hint, handshake_metadata
@@ -78,7 +88,8 @@ class ZmqTransport:
         role: which ranks, and whether to follow a coordinator.
         input_address, output_address: attach to engines started elsewhere.
         remote: engines that join over TCP from other hosts.
-        liveness: the checks of attached engines.
+        liveness: how deaths and hangs are noticed (None: a launched engine's exit
+            only).
         restart: restart engines that die (the ``restart`` policy): launched ones,
             and remote ones with a ``restarter``.
         ready_timeout_s: how long the engines may take to be ready.
@@ -133,6 +144,8 @@ class ZmqTransport:
         self._supervisor: EngineSupervisor | None = None
         self._handshake: TrioSocket | None = None
         self._admitted: set[bytes] = set()  # the engine keys CURVE admits
+        self._connections: ConnectionWatch | None = None
+        self._watches: set[trio.CancelScope] = set()
 
     @property
     def restarts_engines(self) -> bool:
@@ -186,6 +199,7 @@ class ZmqTransport:
         input_address, output_address, handshake_address = topology.addresses(self._ipc_dir)
         self._input = self._server_socket(zmq.ROUTER)
         self._output = self._server_socket(zmq.PULL)
+        await self._watch_connections(nursery, link)
         # Checks any listener descriptors before binding either socket (_listeners.py).
         bound_input, bound_output = bind_all(
             [
@@ -224,7 +238,7 @@ class ZmqTransport:
                             )
                         )
                         await progress.handshake(handshake, metadata)
-                    await progress.wait_ready(self._input)
+                    await progress.wait_ready(self._input, self._came_on)
                     if topology.coordinator is CoordinatorSource.ANNOUNCED:
                         assert self._follower is not None
                         await self._follower.follow_announced(nursery)
@@ -254,7 +268,10 @@ class ZmqTransport:
         reported_dead = partial(self._deaths.reported_dead, nursery)
         nursery.start_soon(receive_outputs, self._output, link.state, self._decoder, reported_dead)
         for engine in engines:
-            self._check_liveness(engine)
+            self._keep_asking(engine)
+        liveness = topology.liveness
+        if liveness is not None and liveness.progress_timeout_s is not None:
+            nursery.start_soon(self._watch, ProgressWatch(link, liveness.progress_timeout_s).run)
         self._supervise(nursery, bound_input, progress.handshake_address, metadata, local_arguments)
         if topology.launched:
             logger.info("client ready: %d engine(s) serving %r", len(engines), self.config.model)
@@ -269,19 +286,40 @@ class ZmqTransport:
         elif engine.restarting and self._supervisor is not None:
             self._supervisor.restart_later(engine)
 
-    def _check_liveness(self, engine: EngineHandle) -> None:
-        checks = self.topology.liveness
-        if checks is not None and self._nursery is not None and self._link is not None:
+    async def _watch_connections(self, nursery: trio.Nursery, link: ClientLink) -> None:
+        """Heartbeats on the input socket, and the watch of its connections: set up
+        before it is bound, so that no engine's connection is missed."""
+        liveness = self.topology.liveness
+        sock = self._input
+        assert sock is not None
+        if liveness is None or liveness.heartbeat_interval_s is None:
+            return
+        for name, value in liveness.heartbeat_options.items():
+            sock.raw.set(getattr(zmq, name), value)
+        self._connections = ConnectionWatch(sock, link, liveness)
+        await nursery.start(self._run_socket_task, self._connections.run)
+
+    def _came_on(self, fd: int, engine: EngineHandle) -> None:
+        if self._connections is not None:
+            self._connections.claim(fd, engine)
+
+    def _keep_asking(self, engine: EngineHandle) -> None:
+        """Ask ``engine`` a cheap utility every so often (see ``keep_asking``)."""
+        liveness = self.topology.liveness
+        interval = liveness.ping_interval_s if liveness is not None else None
+        if interval is not None and self._nursery is not None and self._link is not None:
             self._nursery.start_soon(
-                partial(
-                    check_liveness,
-                    engine,
-                    self._link,
-                    interval_s=checks.interval_s,
-                    timeout_s=checks.timeout_s,
-                    kind=checks.kind,
-                )
+                self._watch, partial(keep_asking, engine, self._link, interval)
             )
+
+    async def _watch(self, watch: Callable[[], Awaitable[None]]) -> None:
+        """Run a task that watches the engines until :meth:`aclose` stops it."""
+        with trio.CancelScope() as scope:
+            self._watches.add(scope)
+            try:
+                await watch()
+            finally:
+                self._watches.discard(scope)
 
     def _supervise(
         self,
@@ -315,8 +353,9 @@ class ZmqTransport:
             handshake_address=handshake_address,
             metadata=metadata,
             relaunch=relaunch,
-            back_in_service=self._check_liveness,
+            back_in_service=self._keep_asking,
             ready_timeout_s=self.ready_timeout_s,
+            came_on=self._came_on,
         )
         nursery.start_soon(self._supervisor.run)
 
@@ -434,6 +473,8 @@ class ZmqTransport:
     # ----------------------------------------------------------------- shutdown
 
     async def aclose(self) -> None:
+        for scope in self._watches:
+            scope.cancel()
         # First, so that no engine is restarted while (or after) they are stopped.
         if self._supervisor is not None:
             await self._supervisor.stop()

@@ -15,6 +15,7 @@ import collections
 import enum
 import inspect
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +51,9 @@ BLOCK_SIZE: Final = 16
 PauseMode = Literal["abort", "wait", "keep"]
 _PAUSE_MODES: Final = ("abort", "wait", "keep")
 _RESTORED: Final[tuple[CheckpointState, ...]] = ("running", "restoring")
+_FAULT_INJECTION: Final = frozenset({"inject_fault", "stall", "stall_steps"})
+"""The utilities that make the engine fail or stall: refused unless
+``EngineConfig.enable_fault_injection``."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -272,6 +276,7 @@ class EngineCore:
         """The prompts whose KV the engine would keep for reuse (see :class:`PrefixCache`)."""
         self._step_counter = 0
         self._fault_requested = False
+        self._stall_s = 0.0
         self._instance_id = f"trio-enginecore-{uuid.uuid4().hex[:12]}"
 
     # ------------------------------------------------------------------ requests
@@ -445,6 +450,8 @@ class EngineCore:
         if not (self._asleep or self._paused):
             self._schedule(now)
             if self._running:
+                if self._stall_s:
+                    _hold_thread(self._stall_s)
                 self._run_model(now, outputs, clients)
         self._finish_pause_if_drained()
         if not outputs:
@@ -595,7 +602,7 @@ class EngineCore:
             raise AttributeError(f"the engine has no utility method {method!r}")
         if method == "pause_scheduler":
             return self._pause_scheduler_call(client_index, call_id, args)
-        if method == "inject_fault" and not self.config.enable_fault_injection:
+        if method in _FAULT_INJECTION and not self.config.enable_fault_injection:
             raise PermissionError("fault injection is disabled on this engine")
         bound = getattr(self, method)
         return bound(*_convert_args(function, args))
@@ -881,6 +888,23 @@ class EngineCore:
         """Make the next step fail fatally (only with ``enable_fault_injection``)."""
         self._fault_requested = True
 
+    @utility
+    def stall(self, seconds: float) -> None:
+        """Hold the engine's thread for ``seconds``, holding the GIL, then reply: a
+        utility that keeps the busy loop (a LoRA load, a weight update, a
+        ``collective_rpc``). Only with ``enable_fault_injection``."""
+        _hold_thread(seconds)
+
+    @utility
+    def stall_steps(self, seconds: float) -> None:
+        """From the next step on, hold the engine's thread for ``seconds`` in every
+        step that runs the model, holding the GIL (0 stops it): a slow device, a
+        long prefill, or with a very long time a hung one (a deadlock, a collective
+        that never completes). Only with ``enable_fault_injection``."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        self._stall_s = seconds
+
     # -------------------------------------------------------------------- startup
 
     def ready_response(self) -> EngineCoreReadyResponse:
@@ -908,6 +932,14 @@ class EngineCore:
             kv_cache_max_concurrency=float(config.max_num_seqs),
             enable_sleep_mode=True,
         )
+
+
+def _hold_thread(seconds: float) -> None:
+    # Spinning in Python holds the GIL the whole time, as a busy engine's thread can:
+    # nothing else in the process runs Python meanwhile (libzmq's I/O thread does).
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
 
 
 def _check_pause_mode(mode: object) -> None:

@@ -10,6 +10,7 @@ table.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ from trio_enginecore.client import (
 )
 from trio_enginecore.curve import CurveServer
 
-from .support import children_of_this_process, expected, process_is_running
+from .support import children_of, children_of_this_process, expected, process_is_running
 
 try:
     import ray as _ray
@@ -336,3 +337,161 @@ async def test_cancelled_half_way_through_the_startup_leaves_nothing() -> None:
                 await trio.sleep_forever()  # pragma: no cover
         assert scope.cancelled_caught
         await nothing_left()
+
+
+# ------------------------------------ a killed or stopped engine, whatever its steps
+
+# How soon a killed or SIGSTOP-ped engine must be declared dead with the default
+# Liveness (heartbeats every 0.3 s, 1.5 s without an answer, 0.5 s to reconnect).
+DEATH_WITHIN_S = 3.0
+
+
+def actor_of(client: Any, rank: int) -> Any:
+    """The engine actor of rank ``rank`` (from Ray's state API)."""
+    (actor,) = [
+        a for a in alive_engine_actors() if f"Ray actor {a.actor_id} " in where(client, rank)
+    ]
+    return actor
+
+
+def engine_pid_of(actor: Any) -> int:
+    """The pid of the engine process an engine actor started (a child of its worker)."""
+    (pid,) = [pid for pid in children_of(actor.pid) if pid in engine_processes()]
+    return pid
+
+
+def is_stopped(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state == "T"
+
+
+async def stream_forever(
+    client: Any, rank: int, tokens: dict[int, int], *, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """A long generation pinned to ``rank``, counting its tokens in ``tokens[rank]``;
+    started once its first output came."""
+    request = EngineCoreRequest.for_tokens(
+        [rank + 1], request_id=f"on-{rank}", max_tokens=100_000, data_parallel_rank=rank
+    )
+    started = False
+    async with client.stream(request) as outputs:
+        async for output in outputs:
+            tokens[rank] += len(output.new_token_ids)
+            if not started:
+                started = True
+                task_status.started()
+    raise AssertionError(f"the generation on rank {rank} ended")  # pragma: no cover
+
+
+@needs_ray
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("step_time_s", [0.01, 5.0], ids=["short-steps", "long-steps"])
+@pytest.mark.parametrize("engines", [1, 3], ids=["one-engine", "three-engines"])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+async def test_a_killed_or_stopped_ray_engine_is_dead_within_3_s_whatever_its_steps(
+    signum: signal.Signals, engines: int, step_time_s: float
+) -> None:
+    """Default liveness settings: the engine process of one Ray actor is killed or
+    stopped mid-stream (mid-step with 5 s steps); its stream raises EngineDeadError
+    within 3 s of the signal, naming the rank, the actor and its node, and the lost
+    connection. With three engines (``route_around``) the others go on serving.
+
+    A stopped engine is continued: with three engines while the client runs (it
+    finds its client gone and exits; the others are not disturbed), with one after
+    the client closed (the client's clean-up has stopped it by then, SIGKILL after
+    ``stop_timeout_s``)."""
+    config = EngineConfig(data_parallel_size=engines, step_time_s=step_time_s)
+    spec = RayEngines(resources_per_engine={"CPU": 0.5}, stop_timeout_s=1.0)
+    rank = engines // 2  # the middle one of three
+    survivors = [r for r in range(engines) if r != rank]
+    policy = "route_around" if engines > 1 else "fail"
+    # With one engine the client fails: leaving its block raises the death again.
+    client_fails = pytest.raises(EngineDeadError) if engines == 1 else contextlib.nullcontext()
+    pid = 0
+    try:
+        with client_fails:
+            async with open_ray_engine_client(config, spec, on_engine_failure=policy) as client:
+                victim = actor_of(client, rank)
+                pid = engine_pid_of(victim)
+                tokens = dict.fromkeys(range(engines), 0)
+                async with trio.open_nursery() as nursery:
+                    for survivor in survivors:
+                        await nursery.start(stream_forever, client, survivor, tokens)
+                    request = EngineCoreRequest.for_tokens(
+                        [1], request_id="victim", max_tokens=100_000, data_parallel_rank=rank
+                    )
+                    with pytest.raises(EngineDeadError) as died:
+                        async with client.stream(request) as outputs:
+                            await outputs.receive()
+                            os.kill(pid, signum)
+                            signalled = trio.current_time()
+                            async for _ in outputs:
+                                pass
+                    took = trio.current_time() - signalled
+                    print(f"\nTOOK {took:.3f}", signum.name, engines, step_time_s)
+                    T0 = trio.current_time()
+                    seen = dict(tokens)
+                    statuses = client.statistics().engines
+                    assert [s.state for s in statuses] == [
+                        "dead" if r == rank else "alive" for r in range(engines)
+                    ], statuses
+                    if signum == signal.SIGSTOP:
+                        assert is_stopped(pid)  # declared dead while stopped, not exited
+                    if survivors:
+                        # Their streams go on (the next step's tokens come)...
+                        await wait_for(
+                            lambda: all(tokens[r] > seen[r] for r in survivors),
+                            timeout_s=step_time_s + 10,
+                        )
+                        if signum == signal.SIGSTOP:
+                            # ...the stopped engine, continued, finds its client gone
+                            # and exits, and they still go on.
+                            print("survivors went on", trio.current_time() - T0)
+                            os.kill(pid, signal.SIGCONT)
+                            await wait_for(lambda: pid not in engine_processes())
+                            print("continued engine exited", trio.current_time() - T0)
+                            seen = dict(tokens)
+                            await wait_for(
+                                lambda: all(tokens[r] > seen[r] for r in survivors),
+                                timeout_s=step_time_s + 10,
+                            )
+                        nursery.cancel_scope.cancel()
+                if survivors:
+                    # New requests go to the engines left; one naming the dead rank fails.
+                    async with trio.open_nursery() as nursery:
+                        for i in range(2 * len(survivors)):
+                            nursery.start_soon(
+                                stream_exactly, client, i, 2 if step_time_s < 1 else 1
+                            )
+                    print("new requests done", trio.current_time() - T0)
+                    late = EngineCoreRequest.for_tokens(
+                        [1], request_id="late", max_tokens=1, data_parallel_rank=rank
+                    )
+                    with pytest.raises(EngineDeadError, match=f"engine rank {rank} "):
+                        async with client.stream(late) as outputs:
+                            await outputs.receive()
+                    assert [s.state for s in client.statistics().engines] == [
+                        "dead" if r == rank else "alive" for r in range(engines)
+                    ]
+                    assert client.statistics().protocol_errors == 0
+                else:
+                    assert client.is_dead
+                T1 = trio.current_time()
+                print("body done", T1 - T0)
+            print("closed", trio.current_time() - T1)
+    finally:
+        if signum == signal.SIGSTOP and pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    from ray.util.state import get_node
+
+    message = str(died.value)
+    assert took < DEATH_WITHIN_S, f"declared dead {took:.2f} s after {signum.name}: {message}"
+    assert f"engine rank {rank} (Ray actor {victim.actor_id} on node " in message, message
+    assert f"on node {get_node(victim.node_id).node_ip} " in message, message
+    assert f"node id {victim.node_id}" in message, message
+    assert "died: its connection was lost" in message, message
+    await nothing_left()

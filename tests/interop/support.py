@@ -38,6 +38,11 @@ VLLM_PYTHONS_VARIABLE = "TRIO_ENGINECORE_VLLM_PYTHONS"
 VLLM_SIDE = Path(__file__).parent / "vllm_side"
 
 _ERROR_LINE = re.compile(r"^(\(.*?\) )?ERROR ", re.MULTILINE)
+_WARNING_LINE = re.compile(r"^(\(.*?\) )?WARNING ")
+_ABOUT_THE_CONNECTION = re.compile(
+    r"heartbeat|\bping|\bpong|disconnect|connection|liveness|timed? ?out|unresponsive|hung",
+    re.IGNORECASE,
+)
 
 
 def vllm_python() -> Path | None:
@@ -137,6 +142,19 @@ def project_command(*args: str) -> list[str]:
 def error_lines(log: str) -> list[str]:
     """The lines of a vLLM log at ERROR level (vLLM's format: ``(proc pid=N) ERROR ...``)."""
     return [line for line in log.splitlines() if _ERROR_LINE.match(line)]
+
+
+def trouble_lines(log: str) -> list[str]:
+    """What must not be in the log of a run where nothing went wrong: ERROR lines,
+    tracebacks, and warnings about the connection to the client (its heartbeats, pings,
+    a disconnect, a timeout)."""
+    return [
+        line
+        for line in log.splitlines()
+        if _ERROR_LINE.match(line)
+        or "Traceback (most recent call last)" in line
+        or (_WARNING_LINE.match(line) and _ABOUT_THE_CONNECTION.search(line))
+    ]
 
 
 def reports(stdout: str) -> list[dict[str, Any]]:

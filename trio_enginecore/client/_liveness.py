@@ -20,7 +20,6 @@ apply them, each reporting to the client's state, which decides (see
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Final, final
 
@@ -47,6 +46,7 @@ logger = logging.getLogger("trio_enginecore.client")
 _STDERR_WAIT_S: Final = 1.0
 _MONITORED: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _GRACE_POLL_S: Final = 0.02
+_GRACE_ASK_S: Final = 0.1
 
 
 def _kill_if_ours(engine: EngineHandle) -> str:
@@ -172,19 +172,22 @@ class ConnectionWatch:
         self._nursery.start_soon(self._grace, engine, suspicion)
 
     async def _grace(self, engine: EngineHandle, suspicion: str) -> None:
-        """Wait a moment for the engine to show life (a message; a new connection
-        claimed by a second ready message); else it is dead."""
+        """Give the engine a moment to show it can be reached again: a second ready
+        message on a new connection, or an answer to a call sent after the loss (an
+        output proves nothing: one sent before a kill can still be on its way).
+        Else it is dead."""
         try:
-            heard = engine.heard
-            self._nursery_ping(engine)
-            with trio.move_on_after(RECONNECT_GRACE_S):
-                while engine.alive:
-                    if engine.heard != heard or self.table.connected(engine.identity):
-                        self.link.engine_cleared(engine)
-                        return
-                    await trio.sleep(_GRACE_POLL_S)
-                return  # declared dead meanwhile (its exit, say)
-            if engine.alive:
+            answered = trio.Event()
+            async with trio.open_nursery() as asking:
+                asking.start_soon(self._ask_until_answered, engine, answered)
+                with trio.move_on_after(RECONNECT_GRACE_S) as grace:
+                    while engine.alive:
+                        if answered.is_set() or self.table.connected(engine.identity):
+                            self.link.engine_cleared(engine)
+                            break
+                        await trio.sleep(_GRACE_POLL_S)
+                asking.cancel_scope.cancel()
+            if grace.cancelled_caught and engine.alive:
                 reason = (
                     f"{suspicion} and not made again within {RECONNECT_GRACE_S:g} s: it "
                     "was killed or stopped, or the network between us failed"
@@ -193,16 +196,17 @@ class ConnectionWatch:
         finally:
             self._in_grace.discard(id(engine))
 
-    def _nursery_ping(self, engine: EngineHandle) -> None:
-        # An engine that reconnected (a connection reset on the path, say) and is
-        # between steps answers at once: that is the life it shows.
-        assert self._nursery is not None
-        self._nursery.start_soon(_ask_quietly, self.link, engine)
-
-
-async def _ask_quietly(link: ClientLink, engine: EngineHandle) -> None:
-    with contextlib.suppress(EngineDeadError, trio.ClosedResourceError):
-        await link.ping(engine)
+    async def _ask_until_answered(self, engine: EngineHandle, answered: trio.Event) -> None:
+        # A call sent while the engine has no connection is dropped by the ROUTER (it
+        # has no route to it): ask again every so often, each call with a deadline.
+        while True:
+            with trio.move_on_after(_GRACE_ASK_S):
+                try:
+                    await self.link.ping(engine)
+                except (EngineDeadError, trio.ClosedResourceError):
+                    return
+                answered.set()
+                return
 
 
 async def keep_asking(engine: EngineHandle, link: ClientLink, interval_s: float) -> None:

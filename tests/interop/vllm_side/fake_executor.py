@@ -15,7 +15,11 @@ vLLM calls a method given by name without any pickle):
 - ``scheduled_request_ids``: the ids it ever scheduled (sorted);
 - ``clear_request_log``: forget both;
 - ``arm_fault``: the next model step raises, which vLLM treats as a fatal error;
-- ``set_step_delay``: seconds each model step takes from now on;
+- ``set_step_delay``: seconds each model step takes from now on (a long one hangs the
+  busy loop in its next step, its sockets and vLLM's I/O threads alive); with a pid,
+  only the executor of that process (one rank of several) takes it;
+- ``block``: hold the busy loop (which runs ``collective_rpc``) for the given seconds,
+  as a long utility (a weight update, a LoRA load) does;
 - ``executor_pid``: the process the executor (and so the engine core) runs in.
 
 What differs between the releases is found by feature, not by version: 0.34's
@@ -245,9 +249,14 @@ class _CounterWorker:
         with self.lock:
             self.fault_armed = True
 
-    def set_step_delay(self, seconds: float) -> None:
+    def set_step_delay(self, seconds: float, pid: int | None = None) -> None:
+        if pid is not None and pid != os.getpid():
+            return
         with self.lock:
             self.step_delay_s = float(seconds)
+
+    def block(self, seconds: float) -> None:
+        time.sleep(seconds)
 
     def executor_pid(self) -> int:
         return os.getpid()

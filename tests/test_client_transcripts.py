@@ -432,6 +432,23 @@ async def test_an_engine_that_sends_engine_core_dead_and_goes_silent_fails_its_r
     assert "engine rank 0" not in str(block_failed.value)
 
 
+async def test_an_idle_engine_that_stops_answering_is_hung_after_the_progress_timeout() -> None:
+    """No request in flight: the client's own call, every quarter of the deadline, is
+    the work an idle engine must answer."""
+    liveness = Liveness(progress_timeout_s=PROGRESS_TIMEOUT_S)
+    with trio.fail_after(TIMEOUT_S):
+        with pytest.raises(EngineDeadError, match="no progress for") as block_failed:
+            async with attached_to_serving_engines(1, liveness=liveness) as peers:
+                (engine,) = peers.engines
+                await engine.expect_answered("is_sleeping", 2)
+                engine.stop_answering()
+                silent_at = trio.current_time()
+                await peers.client.wait_failed()
+                assert trio.current_time() - silent_at < 2 * PROGRESS_TIMEOUT_S + 1.0
+    assert "with 0 request(s) pending" in str(block_failed.value)
+    assert "no reply to the client's liveness call" in str(block_failed.value)
+
+
 async def test_an_engine_silent_in_a_utility_you_wait_on_is_hung_only_once_you_stop_waiting() -> (
     None
 ):

@@ -386,6 +386,24 @@ async def stream_forever(
     raise AssertionError(f"the generation on rank {rank} ended")  # pragma: no cover
 
 
+def states(client: Any) -> list[str]:
+    return [engine.state for engine in client.statistics().engines]
+
+
+async def the_others_serve_on(client: Any, dead: int, step_time_s: float) -> None:
+    """New requests go to the engines left, exact; one naming the dead rank fails."""
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(stream_exactly, client, i, 2 if step_time_s < 1 else 1)
+    late = EngineCoreRequest.for_tokens(
+        [1], request_id="late", max_tokens=1, data_parallel_rank=dead
+    )
+    with pytest.raises(EngineDeadError, match=f"engine rank {dead} "):
+        async with client.stream(late) as outputs:
+            await outputs.receive()
+    assert client.statistics().protocol_errors == 0
+
+
 @needs_ray
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("step_time_s", [0.01, 5.0], ids=["short-steps", "long-steps"])
@@ -394,29 +412,30 @@ async def stream_forever(
 async def test_a_killed_or_stopped_ray_engine_is_dead_within_3_s_whatever_its_steps(
     signum: signal.Signals, engines: int, step_time_s: float
 ) -> None:
-    """Default liveness settings: the engine process of one Ray actor is killed or
-    stopped mid-stream (mid-step with 5 s steps); its stream raises EngineDeadError
+    """Default liveness settings. The engine process of one Ray actor is killed or
+    stopped mid-stream (mid-step with 5 s steps): its stream raises EngineDeadError
     within 3 s of the signal, naming the rank, the actor and its node, and the lost
-    connection. With three engines (``route_around``) the others go on serving.
+    connection. With three engines (``route_around``) the other two serve on: their
+    streams go on, new requests go to them.
 
-    A stopped engine is continued: with three engines while the client runs (it
-    finds its client gone and exits; the others are not disturbed), with one after
-    the client closed (the client's clean-up has stopped it by then, SIGKILL after
-    ``stop_timeout_s``)."""
+    A stopped engine of three is continued once declared dead: it finds its client
+    gone and exits, disturbing nobody. A stopped engine alone is left stopped: the
+    client's clean-up kills it (after ``stop_timeout_s``) when the block ends."""
     config = EngineConfig(data_parallel_size=engines, step_time_s=step_time_s)
     spec = RayEngines(resources_per_engine={"CPU": 0.5}, stop_timeout_s=1.0)
     rank = engines // 2  # the middle one of three
     survivors = [r for r in range(engines) if r != rank]
-    policy = "route_around" if engines > 1 else "fail"
+    states_after = ["dead" if r == rank else "alive" for r in range(engines)]
+    policy = "route_around" if survivors else "fail"
     # With one engine the client fails: leaving its block raises the death again.
-    client_fails = pytest.raises(EngineDeadError) if engines == 1 else contextlib.nullcontext()
+    client_fails = contextlib.nullcontext() if survivors else pytest.raises(EngineDeadError)
     pid = 0
     try:
         with client_fails:
             async with open_ray_engine_client(config, spec, on_engine_failure=policy) as client:
                 victim = actor_of(client, rank)
                 pid = engine_pid_of(victim)
-                tokens = dict.fromkeys(range(engines), 0)
+                tokens = dict.fromkeys(survivors, 0)
                 async with trio.open_nursery() as nursery:
                     for survivor in survivors:
                         await nursery.start(stream_forever, client, survivor, tokens)
@@ -431,59 +450,29 @@ async def test_a_killed_or_stopped_ray_engine_is_dead_within_3_s_whatever_its_st
                             async for _ in outputs:
                                 pass
                     took = trio.current_time() - signalled
-                    print(f"\nTOOK {took:.3f}", signum.name, engines, step_time_s)
-                    T0 = trio.current_time()
-                    seen = dict(tokens)
-                    statuses = client.statistics().engines
-                    assert [s.state for s in statuses] == [
-                        "dead" if r == rank else "alive" for r in range(engines)
-                    ], statuses
+                    print(f"\nTOOK {took:.3f} {signum.name} {engines} {step_time_s}")
+                    at_death = dict(tokens)
+                    assert states(client) == states_after
                     if signum == signal.SIGSTOP:
-                        assert is_stopped(pid)  # declared dead while stopped, not exited
+                        assert is_stopped(pid)  # declared dead while stopped, not after
                     if survivors:
-                        # Their streams go on (the next step's tokens come)...
-                        await wait_for(
-                            lambda: all(tokens[r] > seen[r] for r in survivors),
-                            timeout_s=step_time_s + 10,
-                        )
                         if signum == signal.SIGSTOP:
-                            # ...the stopped engine, continued, finds its client gone
-                            # and exits, and they still go on.
-                            print("survivors went on", trio.current_time() - T0)
                             os.kill(pid, signal.SIGCONT)
                             await wait_for(lambda: pid not in engine_processes())
-                            print("continued engine exited", trio.current_time() - T0)
-                            seen = dict(tokens)
-                            await wait_for(
-                                lambda: all(tokens[r] > seen[r] for r in survivors),
-                                timeout_s=step_time_s + 10,
-                            )
+                        await the_others_serve_on(client, rank, step_time_s)
+                        # The streams on the engines left went on all along.
+                        await wait_for(
+                            lambda: all(tokens[r] > at_death[r] for r in survivors),
+                            timeout_s=step_time_s + 10,
+                        )
+                        assert states(client) == states_after
                         nursery.cancel_scope.cancel()
-                if survivors:
-                    # New requests go to the engines left; one naming the dead rank fails.
-                    async with trio.open_nursery() as nursery:
-                        for i in range(2 * len(survivors)):
-                            nursery.start_soon(
-                                stream_exactly, client, i, 2 if step_time_s < 1 else 1
-                            )
-                    print("new requests done", trio.current_time() - T0)
-                    late = EngineCoreRequest.for_tokens(
-                        [1], request_id="late", max_tokens=1, data_parallel_rank=rank
-                    )
-                    with pytest.raises(EngineDeadError, match=f"engine rank {rank} "):
-                        async with client.stream(late) as outputs:
-                            await outputs.receive()
-                    assert [s.state for s in client.statistics().engines] == [
-                        "dead" if r == rank else "alive" for r in range(engines)
-                    ]
-                    assert client.statistics().protocol_errors == 0
-                else:
-                    assert client.is_dead
-                T1 = trio.current_time()
-                print("body done", T1 - T0)
-            print("closed", trio.current_time() - T1)
+                    else:
+                        assert client.is_dead
+        if signum == signal.SIGSTOP:
+            assert not process_is_running(pid)  # continued and exited, or killed
     finally:
-        if signum == signal.SIGSTOP and pid:
+        if signum == signal.SIGSTOP and pid:  # whatever failed, nothing stays stopped
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
     from ray.util.state import get_node

@@ -1,4 +1,4 @@
-"""Our client drives vLLM's real engine cores (the release under test) in data parallel 2.
+"""Our client drives vLLM's real engine cores (the release under test) in data parallel.
 
 Dense ranks (the llama config: independent ``EngineCoreProc`` s) and MoE ranks (the
 mixtral config: ``DPEngineCoreProc`` s in lockstep, a gloo all-reduce deciding when a
@@ -15,8 +15,14 @@ request wave ends), every way the client meets them:
 For each: ready; 64 exact streams over both engines ending on LENGTH and STOP; half of 64
 more cancelled mid-way, and vLLM's schedulers finished exactly those ids, each on the
 engine that had it; the typed utility wrappers; for MoE, the waves the client sees are
-vLLM's (0, True), (1, False), (1, True), (2, False); for dense, no wave at all. No ERROR
-line in vLLM's logs.
+vLLM's (0, True), (1, False), (1, True), (2, False); for dense, no wave at all. No ERROR,
+traceback or warning about the connection in vLLM's logs, with the client's liveness
+checks (ZeroMQ heartbeats) the defaults, as in every test here.
+
+When a rank dies: a MoE rank's ``kill -9`` or fatal error is ``EngineDeadError``; of
+three dense ranks on one host (one launcher each) under ``on_engine_failure=
+"route_around"``, a killed and a stopped rank fail only their own requests, each within
+the 3 s the defaults promise, and the rank left serves on.
 """
 
 from __future__ import annotations
@@ -38,14 +44,13 @@ from trio_enginecore import (
     EngineDeadError,
     EngineStartupError,
     FinishReason,
-    Liveness,
     RemoteEngines,
     open_engine_client,
 )
 from trio_enginecore.client import DPLBTrioMPClient
 
 from ..support import expected, free_port
-from .support import VllmProcess, error_lines, require_vllm, vllm_version
+from .support import VllmProcess, require_vllm, trouble_lines, vllm_version
 from .workloads import cancel_half_midway, exact_streams, generate
 
 require_vllm()
@@ -80,36 +85,39 @@ class VllmGroup:
 
 @asynccontextmanager
 async def vllm_group(
-    mode: str, model: str, tmp_path: Path, *, liveness: tuple[float, float] | None = None
+    mode: str,
+    model: str,
+    tmp_path: Path,
+    *,
+    size: int = 2,
+    **options: Any,
 ) -> AsyncIterator[VllmGroup]:
-    """Two vLLM engine cores of ``model`` started by ``mode``'s launchers, and our
-    client, ready, its view of the waves logged."""
-    config = EngineConfig(data_parallel_size=2)
+    """``size`` vLLM engine cores of ``model`` started by ``mode``'s launchers, and our
+    client, ready, its view of the waves logged. ``options``: more of
+    ``open_engine_client``'s options (the liveness checks are the defaults)."""
+    config = EngineConfig(data_parallel_size=size)
     client_args: dict[str, Any]
     scripts: list[tuple[str, list[str]]]
     if mode == "attach":
         inputs, outputs = f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output"
-        dp = ["--data-parallel-size", "2", "--model", model]
+        dp = ["--data-parallel-size", str(size), "--model", model]
         scripts = [
             ("launch_attach.py", ["--input-address", inputs, "--output-address", outputs, *dp])
         ]
         client_args = {"input_address": inputs, "output_address": outputs}
-        if liveness is not None:
-            client_args["liveness"] = Liveness(*liveness)
     else:
         address = f"tcp://127.0.0.1:{free_port()}"
-        common = ["--handshake-address", address, "--model", model, "--data-parallel-size", "2"]
+        common = ["--handshake-address", address, "--model", model]
+        common += ["--data-parallel-size", str(size)]
         if mode == "headless":
-            scripts = [("launch_headless.py", [*common, "--local-engines", "2"])]
+            scripts = [("launch_headless.py", [*common, "--local-engines", str(size)])]
         else:
             scripts = [
                 ("launch_headless.py", [*common, "--data-parallel-rank", str(rank)])
-                for rank in range(2)
+                for rank in range(size)
             ]
         remote = RemoteEngines(
             address,
-            liveness_interval_s=liveness[0] if liveness else None,
-            liveness_timeout_s=liveness[1] if liveness else 15.0,
             # One launcher per rank: a MoE group meets where we tell it.
             data_parallel_master_ip="127.0.0.1"
             if mode == "per-rank" and model == "mixtral"
@@ -119,7 +127,9 @@ async def vllm_group(
     async with _launchers(scripts, tmp_path) as launchers:
         start = trio.current_time()
         try:
-            async with open_engine_client(config, ready_timeout_s=120, **client_args) as client:
+            async with open_engine_client(
+                config, ready_timeout_s=60 * size, **client_args, **options
+            ) as client:
                 assert isinstance(client, DPLBTrioMPClient)
                 ready_s = trio.current_time() - start
                 pids: list[int] = []
@@ -225,7 +235,7 @@ async def test_data_parallel_2(
         # Dense ranks run no waves: nothing to see, and no START_DP_WAVE sent them.
         assert group.waves == []
         assert "Unrecognized input request type" not in group.logs()
-    assert error_lines(group.logs()) == []
+    assert trouble_lines(group.logs()) == []
 
 
 def test_moe_ranks_of_separate_launchers_told_nothing_never_form_their_group(
@@ -253,7 +263,7 @@ def test_moe_ranks_of_separate_launchers_told_nothing_never_form_their_group(
             for rank in range(2)
         ]
         async with _launchers(scripts, tmp_path):
-            remote = RemoteEngines(address, liveness_interval_s=None)
+            remote = RemoteEngines(address)
             with pytest.raises(EngineStartupError) as caught:
                 async with open_engine_client(
                     EngineConfig(data_parallel_size=2), remote=remote, ready_timeout_s=60
@@ -276,7 +286,7 @@ def test_a_dead_moe_rank_is_engine_dead(
 
 async def _dead_moe_rank(mode: str, death: str, tmp_path: Path, timings: dict[str, float]) -> None:
     with pytest.raises(EngineDeadError):
-        async with vllm_group(mode, "mixtral", tmp_path, liveness=(1.0, 3.0)) as group:
+        async with vllm_group(mode, "mixtral", tmp_path) as group:
             client = group.client
             await group.rpc_all("set_step_delay", 0.01)
             pids = await group.rpc_all("executor_pid")
@@ -309,3 +319,90 @@ async def _dead_moe_rank(mode: str, death: str, tmp_path: Path, timings: dict[st
             timings[f"{death} of a MoE rank -> EngineDeadError, DP 2 {mode}"] = max(failures)
             with pytest.raises(EngineDeadError):
                 await client.is_sleeping()
+
+
+@pytest.mark.timeout(300)  # three launchers, each importing vLLM, on two cores
+async def test_of_three_ranks_on_one_host_a_killed_and_a_stopped_one_fail_only_their_requests(
+    tmp_path: Path, timings: dict[str, float]
+) -> None:
+    """Three dense ranks, one launcher each (vLLM's ``CoreEngineProcManager`` stops all
+    its engines when one dies, so ranks of one launcher cannot outlive each other), and
+    ``on_engine_failure="route_around"``, the liveness checks the defaults. Rank 1
+    (10 ms steps) is killed mid-stream, then rank 2 (5 s steps) stopped mid-step: each
+    time only that rank's streams fail, within 3 s, saying its connection was lost;
+    rank 0's streams go on to their exact end, and new requests go to it."""
+    ranks = 3
+    async with vllm_group(
+        "per-rank", "llama", tmp_path, size=ranks, on_engine_failure="route_around"
+    ) as group:
+        client = group.client
+        timings["time to ready, DP 3 llama per-rank"] = group.ready_s
+        pids = await group.rpc_all("executor_pid")
+        assert sorted(pids) == sorted(group.pids)
+        await group.rpc_all("set_step_delay", 0.02)  # 1000 tokens: 20 s and more
+        await group.rpc_all("set_step_delay", 5.0, pids[2])  # rank 2's executor only
+        finished: dict[tuple[int, int], tuple[list[int], FinishReason | None]] = {}
+        failed: dict[tuple[int, int], tuple[float, str]] = {}
+        flowing = [trio.Event() for _ in range(ranks)]
+
+        async def stream(rank: int, i: int) -> None:
+            prompt = [100 * rank + i + 1]
+            request = EngineCoreRequest.for_tokens(
+                prompt, request_id=f"rank{rank}-{i}", max_tokens=1000, data_parallel_rank=rank
+            )
+            tokens: list[int] = []
+            finish = None
+            try:
+                async with client.stream(request) as outputs:
+                    async for output in outputs:
+                        flowing[rank].set()
+                        tokens += output.new_token_ids
+                        finish = output.finish_reason
+            except EngineDeadError as exc:
+                failed[rank, i] = (trio.current_time(), str(exc))
+            else:
+                finished[rank, i] = (tokens, finish)
+
+        async def failures_of(rank: int, sig: signal.Signals) -> float:
+            signalled = trio.current_time()
+            os.kill(pids[rank], sig)
+            with trio.fail_after(3.0 + 10):
+                while len([key for key in failed if key[0] == rank]) < 2:
+                    await trio.sleep(0.02)
+            return max(failed[rank, i][0] for i in range(2)) - signalled
+
+        try:
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for rank in range(ranks):
+                        for i in range(2):
+                            nursery.start_soon(stream, rank, i)
+                    for event in flowing:
+                        await event.wait()
+                    killed = await failures_of(1, signal.SIGKILL)
+                    assert set(failed) == {(1, 0), (1, 1)}
+                    stopped = await failures_of(2, signal.SIGSTOP)
+                    assert set(failed) == {(1, 0), (1, 1), (2, 0), (2, 1)}
+                    # Rank 0's streams are still going, and nothing else failed.
+                    assert finished == {}
+                    assert client.statistics().requests_in_flight == 2
+                    assert not client.is_dead
+                    states = [engine.state for engine in client.statistics().engines]
+                    assert states == ["alive", "dead", "dead"]
+                    await group.rpc_all("set_step_delay", 0)  # rank 0, the one left
+        finally:
+            with suppress(ProcessLookupError):  # stopped: it would hold its launcher's exit
+                os.kill(pids[2], signal.SIGKILL)
+        timings["kill -9 of a rank -> its EngineDeadError, DP 3 route_around"] = killed
+        timings["SIGSTOP of a rank -> its EngineDeadError, DP 3 route_around"] = stopped
+        assert killed < 3.0
+        assert stopped < 3.0
+        for (rank, _), (_, message) in failed.items():
+            assert f"engine rank {rank}" in message
+            assert "its connection was lost" in message
+        assert finished == {
+            (0, i): (expected([i + 1], 1000), FinishReason.LENGTH) for i in range(2)
+        }
+        # New requests go to the one rank left, and end exactly.
+        await exact_streams(client, count=16)
+        assert not client.is_dead

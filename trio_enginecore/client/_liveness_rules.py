@@ -135,14 +135,17 @@ class ConnectionTable:
     def __init__(self) -> None:
         self._open: dict[int, _Connection] = {}
         self._current: dict[bytes, _Connection] = {}
+        self._closed: set[int] = set()
 
     def accepted(self, fd: int) -> None:
         """A connection was made on descriptor ``fd``."""
+        self._closed.discard(fd)
         self._open[fd] = _Connection(fd)
 
     def disconnected(self, fd: int) -> bytes | None:
         """The connection on ``fd`` closed: the identity of the engine whose current
         connection it was, or None (unclaimed, or an engine's former connection)."""
+        self._closed.add(fd)
         connection = self._open.pop(fd, None)
         if connection is None or connection.owner is None:
             return None
@@ -154,10 +157,14 @@ class ConnectionTable:
     def claim(self, fd: int, identity: bytes) -> bool:
         """A message from ``identity`` came on descriptor ``fd``: that connection is
         now the engine's current one. False if it is closed already (the engine's
-        connection was lost right after the message)."""
+        connection was lost right after the message). A descriptor never seen is a
+        connection whose ``accepted`` event the monitor dropped (its queue is
+        bounded): it is taken as open, not as lost."""
+        if fd in self._closed:
+            return False
         connection = self._open.get(fd)
         if connection is None:
-            return False
+            connection = self._open[fd] = _Connection(fd)
         connection.owner = identity
         self._current[identity] = connection
         return True

@@ -450,7 +450,6 @@ async def test_a_killed_or_stopped_ray_engine_is_dead_within_3_s_whatever_its_st
                             async for _ in outputs:
                                 pass
                     took = trio.current_time() - signalled
-                    print(f"\nTOOK {took:.3f} {signum.name} {engines} {step_time_s}")
                     at_death = dict(tokens)
                     assert states(client) == states_after
                     if signum == signal.SIGSTOP:

@@ -41,7 +41,7 @@ class UtilityCall:
     engine: EngineHandle
     """The engine asked."""
     internal: bool = False
-    """The client's own call (a liveness check), not counted among the pending calls
+    """The client's own call (its liveness call), not counted among the pending calls
     of ``statistics()``."""
     done: trio.Event = attrs.field(factory=trio.Event)
     reply: UtilityOutput | None = None

@@ -154,15 +154,16 @@ def open_engine_client(
         remote: launch nothing; the engines start on other hosts
             (``trio-enginecore serve --headless``) and join over TCP, optionally
             authenticated with CURVE (see :class:`~trio_enginecore.RemoteEngines`).
-        liveness: how often to check that each launched or attached engine still
-            answers, and how long it may take (:class:`~trio_enginecore.Liveness`,
-            every 0.4 s within 1.2 s by default): an engine that does not answer in
-            time is declared dead, and a launched one killed. ``None``: no checks,
-            and a hang of a launched engine, or a ``kill -9`` or a hang of an
-            attached one, goes unnoticed. Remote engines have their own, on
-            :class:`~trio_enginecore.RemoteEngines`.
+        liveness: how the client notices that an engine, of any kind, died,
+            stopped or hung (:class:`~trio_enginecore.Liveness`): its connection
+            under ZeroMQ heartbeats (a killed, stopped or cut-off engine is dead
+            within about 2.3 s by default, whatever its step length), and its
+            progress (an engine with work that sends nothing for 60 s is hung); a
+            launched engine found either way is killed. ``None``: no checks, and
+            only a launched engine's exit is seen.
         on_engine_failure: what one engine's death does to a client with several
-            (a launched engine's exit, a failed liveness check, ``ENGINE_CORE_DEAD``).
+            (a launched engine's exit, a lost connection, no progress,
+            ``ENGINE_CORE_DEAD``).
             ``"fail"`` (the default, as vLLM): the client fails; its requests on the
             other engines keep streaming until the block ends, which raises one
             ``EngineDeadError``. ``"route_around"``: the engine is taken out of

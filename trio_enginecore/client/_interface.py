@@ -79,7 +79,7 @@ class ClientStatistics:
     open_streams: int
     """Streams whose ``async with`` block has not exited."""
     pending_utility_calls: int
-    """Your utility calls waiting for their reply (the client's own liveness checks
+    """Your utility calls waiting for their reply (the client's own liveness calls
     are not counted)."""
     pending_batches: int
     """Engine messages waiting for ``get_output()``."""

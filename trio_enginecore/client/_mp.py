@@ -142,11 +142,11 @@ class DPLBTrioMPClient(TrioMPClient):
     ``EngineDeadError``. With ``on_engine_failure="route_around"`` only what depended
     on the dead engine fails, and the others serve on (see
     :func:`~trio_enginecore.open_engine_client`). A death is seen when a launched
-    engine's process exits, when an engine stops answering the liveness checks
-    (:class:`~trio_enginecore.Liveness`, :class:`~trio_enginecore.RemoteEngines`),
-    or when an engine sends ``ENGINE_CORE_DEAD``: that frame does not say who sent
-    it, so the client waits up to 2 s (remote and attached engines: a liveness
-    period) for the sender's exit to identify it, and fails every engine only if
+    engine's process exits, when an engine's connection is lost or it makes no
+    progress (:class:`~trio_enginecore.Liveness`), or when an engine sends
+    ``ENGINE_CORE_DEAD``: that frame does not say who sent it, so the client waits up
+    to 2 s (remote and attached engines: that, and the time a lost connection takes to
+    be noticed) for the sender's exit to identify it, and fails every engine only if
     none is identified.
     """
 

@@ -11,7 +11,7 @@ What the transport may do to its client is in the :class:`ClientLink` it is hand
 when it starts: feed decoded engine messages to the client's state (one direct call
 per message, the receive hot path), report an engine's death, feed the coordinator's
 publications to the client's wave follower, and ping an engine through the client's
-utility machinery (for liveness checks).
+utility machinery (for its liveness calls).
 """
 
 from __future__ import annotations

@@ -60,6 +60,12 @@ def _kill_if_ours(engine: EngineHandle) -> str:
     return ""
 
 
+def _exited(engine: EngineHandle) -> bool:
+    # A launched engine that exited: its exit, with its code and last stderr lines,
+    # says more than its lost connection; watch_process reports it.
+    return engine.process is not None and engine.process.returncode is not None
+
+
 async def watch_process(engine: EngineHandle, link: ClientLink) -> None:
     """Report a launched engine's exit as its death, unless the client is closing
     (then the exit is the one it asked for). Its last stderr lines go in the reason."""
@@ -187,7 +193,7 @@ class ConnectionWatch:
                             break
                         await trio.sleep(_GRACE_POLL_S)
                 asking.cancel_scope.cancel()
-            if grace.cancelled_caught and engine.alive:
+            if grace.cancelled_caught and engine.alive and not _exited(engine):
                 reason = (
                     f"{suspicion} and not made again within {RECONNECT_GRACE_S:g} s: it "
                     "was killed or stopped, or the network between us failed"

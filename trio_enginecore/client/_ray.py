@@ -356,8 +356,8 @@ async def open_ray_engine_client(
     the attach addresses (made here).
 
     An actor that dies (its process killed, its node lost) is an engine death: its
-    engine's connection closes with it (or its heartbeats stop), and the ``EngineDeadError`` names the rank, the actor
-    and its node. The failure policies apply as to launched engines; with
+    engine's connection closes with it (or its heartbeats stop), and the
+    ``EngineDeadError`` names the rank, the actor and its node. The failure policies apply as to launched engines; with
     ``on_engine_failure="restart"`` the dead rank's actor is replaced by a new one in
     the same placement-group bundle (so on the same node, while it lives), whose
     engine joins the client again. Leaving the block, however it is left, stops the engines and

@@ -357,12 +357,12 @@ async def open_ray_engine_client(
 
     An actor that dies (its process killed, its node lost) is an engine death: its
     engine's connection closes with it (or its heartbeats stop), and the
-    ``EngineDeadError`` names the rank, the actor and its node. The failure policies apply as to launched engines; with
-    ``on_engine_failure="restart"`` the dead rank's actor is replaced by a new one in
-    the same placement-group bundle (so on the same node, while it lives), whose
-    engine joins the client again. Leaving the block, however it is left, stops the engines and
-    removes the actors and the placement group, and shuts down a local cluster the
-    client started.
+    ``EngineDeadError`` names the rank, the actor and its node. The failure policies
+    apply as to launched engines; with ``on_engine_failure="restart"`` the dead rank's
+    actor is replaced by a new one in the same placement-group bundle (so on the same
+    node, while it lives), whose engine joins the client again. Leaving the block,
+    however it is left, stops the engines and removes the actors and the placement
+    group, and shuts down a local cluster the client started.
 
     Raises:
         ImportError: Ray is not installed.

@@ -15,9 +15,10 @@ request wave ends), every way the client meets them:
 For each: ready; 64 exact streams over both engines ending on LENGTH and STOP; half of 64
 more cancelled mid-way, and vLLM's schedulers finished exactly those ids, each on the
 engine that had it; the typed utility wrappers; for MoE, the waves the client sees are
-vLLM's (0, True), (1, False), (1, True), (2, False); for dense, no wave at all. No ERROR,
-traceback or warning about the connection in vLLM's logs, with the client's liveness
-checks (ZeroMQ heartbeats) the defaults, as in every test here.
+vLLM's (0, True), (1, False), (1, True), (2, False), ... (each phase in one wave, which
+a long request holds open, so that a loaded machine cannot split it); for dense, no
+wave at all. No ERROR, traceback or warning about the connection in vLLM's logs, with
+the client's liveness checks (ZeroMQ heartbeats) the defaults, as in every test here.
 
 When a rank dies: a MoE rank's ``kill -9`` or fatal error is ``EngineDeadError``; of
 three dense ranks on one host (one launcher each) under ``on_engine_failure=
@@ -173,6 +174,29 @@ async def _wave_state(group: VllmGroup, wanted: tuple[int, bool]) -> None:
             await trio.sleep(0.02)
 
 
+@asynccontextmanager
+async def _one_wave(group: VllmGroup, request_id: str | None) -> AsyncIterator[None]:
+    """Hold one request wave of MoE ranks open for the block (``request_id``; None: do
+    nothing, for dense ranks), however slowly the block's requests come: on a loaded
+    machine short requests sent one after another can finish, and end their wave,
+    before the last is sent, and a short wave's start and end can reach the client at
+    once. A long request (1000 steps of 20 ms) streamed until the client sees the wave
+    running, and aborted after the block (its engine's executor hears of that in a
+    later step); the steps are short again after it."""
+    if request_id is None:
+        yield
+        return
+    await group.rpc_all("set_step_delay", 0.02)
+    anchor = EngineCoreRequest.for_tokens([1], request_id=request_id, max_tokens=1000)
+    async with group.client.stream(anchor) as outputs:
+        await outputs.receive()
+        with trio.fail_after(20):
+            while not group.client.engines_running:
+                await trio.sleep(0.02)
+        yield
+    await group.rpc_all("set_step_delay", 0)
+
+
 @pytest.mark.parametrize(("mode", "model"), MODES)
 async def test_data_parallel_2(
     mode: str, model: str, tmp_path: Path, timings: dict[str, float]
@@ -188,11 +212,15 @@ async def test_data_parallel_2(
         assert sorted(await group.rpc_all("executor_pid")) == sorted(group.pids)
         assert (client.current_wave, client.engines_running) == (0, False)
 
+        # MoE: the 64 exact streams in one wave, the last request in another.
+        first_wave, last_wave = ("wave-1", "wave-3") if moe else (None, None)
+
         # 64 concurrent streams, exact tokens, over both engines.
-        ids = await exact_streams(client)
+        async with _one_wave(group, first_wave):
+            ids = await exact_streams(client)
         scheduled = await group.rpc_all("scheduled_request_ids")
         assert all(scheduled), f"an engine got no request: {scheduled}"
-        assert set(scheduled[0]) | set(scheduled[1]) == ids
+        assert (set(scheduled[0]) | set(scheduled[1])) - {first_wave} == ids
         assert not set(scheduled[0]) & set(scheduled[1])
         if moe:
             await _wave_state(group, (1, False))
@@ -205,7 +233,11 @@ async def test_data_parallel_2(
 
         async def finished_ids() -> set[str]:
             nonlocal finished
-            finished = await group.rpc_all("finished_request_ids")
+            # Less the first wave's anchor, whose end the executor may hear of now.
+            finished = [
+                sorted(set(names) - {first_wave})
+                for names in await group.rpc_all("finished_request_ids")
+            ]
             return set(finished[0]) | set(finished[1])
 
         cancelled = await cancel_half_midway(client, finished_ids)
@@ -225,7 +257,8 @@ async def test_data_parallel_2(
         await client.set_weight_version("v7")
         assert await client.get_weight_version() == "v7"
         request = EngineCoreRequest.for_tokens([41], max_tokens=4)
-        assert await generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
+        async with _one_wave(group, last_wave):
+            assert await generate(client, request) == (expected([41], 4), FinishReason.LENGTH)
         if moe:
             await _wave_state(group, (3, False))
     if moe:

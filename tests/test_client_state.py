@@ -449,7 +449,8 @@ def test_closing_aborts_what_is_in_flight_and_fails_every_waiter() -> None:
     assert feed.finished_received  # ended with a local ABORT output
     assert feed.pending is not None
     assert feed.pending.finish_reason is FinishReason.ABORT
-    assert call.failure == "the engine client was closed"
+    assert call.failure is not None
+    assert call.failure.message == "the engine client was closed"
     assert state.statistics().requests_in_flight == 0
 
 

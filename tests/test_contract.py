@@ -39,7 +39,7 @@ from trio_enginecore import (
 from trio_enginecore.client import EngineConsensusError, TrioEngineClient
 from trio_enginecore.client._launch import serve_arguments
 from trio_enginecore.engine import CounterModel
-from trio_enginecore.protocol import LoRARequest
+from trio_enginecore.protocol import LoRARequest, SamplingKeywords
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
 from .enginepeer import serve_command
@@ -343,3 +343,78 @@ async def test_with_two_engines_the_wrappers_ask_every_engine(kind: str) -> None
             assert await call("get_request_counts") == (0, 4)
             await harness.abort(ids)
             assert harness.in_flight() == 0
+
+
+# A wrong type for every field of SamplingParams a user sets (the keywords of
+# EngineCoreRequest.for_tokens), plus values out of range. Each is set after the
+# parameters were built, as a program that mutates them would; building them with the
+# value raises the same error (tests/test_field_checks.py).
+BAD_SAMPLING: dict[str, tuple[Any, type[Exception], str]] = {
+    "n": (2.5, TypeError, "SamplingParams.n must be an int, got float 2.5"),
+    "presence_penalty": ("0.5", TypeError, "presence_penalty must be a float, got str"),
+    "frequency_penalty": (None, TypeError, "frequency_penalty must be a float, got NoneType"),
+    "repetition_penalty": ([1.0], TypeError, "repetition_penalty must be a float, got list"),
+    "temperature": ("hot", TypeError, "temperature must be a float, got str 'hot'"),
+    "top_p": (True, TypeError, "top_p must be a float, got bool True"),
+    "top_k": (1.5, TypeError, "top_k must be an int, got float"),
+    "min_p": ("0", TypeError, "min_p must be a float, got str"),
+    "seed": ("1", TypeError, "SamplingParams.seed must be an int or None, got str '1'"),
+    "stop": ([1], TypeError, r"stop must be a str or a list of str or None, .*item 0 is int 1"),
+    "stop_token_ids": (["a"], TypeError, r"stop_token_ids must be a list of int .*item 0"),
+    "ignore_eos": ("yes", TypeError, "ignore_eos must be a bool, got str 'yes'"),
+    "max_tokens": ("5", TypeError, "max_tokens must be an int or None, got str '5'"),
+    "min_tokens": (None, TypeError, "min_tokens must be an int, got NoneType"),
+    "logprobs": (1.0, TypeError, "logprobs must be an int or None, got float"),
+    "prompt_logprobs": ("1", TypeError, "prompt_logprobs must be an int or None"),
+    "detokenize": (1, TypeError, "detokenize must be a bool, got int 1"),
+    "skip_special_tokens": ("no", TypeError, "skip_special_tokens must be a bool"),
+    "include_stop_str_in_output": (0, TypeError, "include_stop_str_in_output must be a bool"),
+    "output_kind": ("delta", TypeError, "output_kind must be a RequestOutputKind"),
+    "stream_interval": (2.0, TypeError, "stream_interval must be an int or None"),
+    "structured_outputs": ({"json": "{}"}, TypeError, "structured_outputs must be a Structured"),
+    "logit_bias": ({"5": 1.0}, TypeError, "logit_bias must be a dict of int to float"),
+    "allowed_token_ids": ((1, 2), TypeError, "allowed_token_ids must be a list of int or None"),
+    "extra_args": ({1: "x"}, TypeError, "extra_args must be a dict of str to anything"),
+    "bad_words": ("word", TypeError, "bad_words must be a list of str or None, got str"),
+}
+BAD_VALUES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "a seed beyond 64 bits": ({"seed": 2**64}, ValueError, "seed is 18446744073709551616"),
+    "max_tokens of 0": ({"max_tokens": 0}, ValueError, "max_tokens must be at least 1"),
+    "a temperature of 5": ({"temperature": 5.0}, ValueError, "temperature must be in"),
+    "an empty stop string": ({"stop": [""]}, ValueError, "stop cannot contain an empty"),
+    "a NaN repetition penalty": (
+        {"repetition_penalty": float("nan")},
+        ValueError,
+        "repetition_penalty must be finite",
+    ),
+}
+
+
+def _with_sampling(request_id: str, **changes: Any) -> EngineCoreRequest:
+    request = EngineCoreRequest.for_tokens([3, 4], request_id=request_id, max_tokens=4)
+    params = request.sampling_params
+    assert params is not None
+    for name, value in changes.items():
+        setattr(params, name, value)
+    return request
+
+
+def test_the_bad_sampling_table_covers_every_keyword_a_user_sets() -> None:
+    assert set(BAD_SAMPLING) == set(SamplingKeywords.__annotations__)
+
+
+async def test_every_bad_sampling_field_is_named_and_the_client_serves_on(kind: str) -> None:
+    cases = [
+        ({name: value}, error, message) for name, (value, error, message) in BAD_SAMPLING.items()
+    ]
+    cases += BAD_VALUES.values()
+    with trio.fail_after(60):
+        async with open_harness(kind) as harness:
+            for number, (changes, error, message) in enumerate(cases):
+                with pytest.raises(error, match=message):
+                    await harness.add(_with_sampling(f"bad-{number}", **changes))
+                assert harness.in_flight() == 0
+            assert await harness.call("get_request_counts") == (0, 0)
+            await harness.add(_with_sampling("good"))
+            tokens = await collect(harness, {"good": [3, 4]})
+    assert tokens["good"] == CounterModel.expected_tokens([3, 4], 4)

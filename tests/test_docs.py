@@ -11,6 +11,7 @@ method of vLLM's clients.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -90,10 +91,22 @@ EXPECTED_OUTPUT: dict[str, list[str]] = {
         "later calls raise EngineDeadError too (is_dead=True)",
         "leaving the client's block raised EngineDeadError",
         "2. the engine process is killed",
+        # The program configures logging: the client's log lines are in its output.
+        "ERROR trio_enginecore.client: engine rank 0, pid ",
+        "died: was killed by signal 9",
         "get_output() raised EngineDeadError: engine rank 0, pid ",
         "died: was killed by signal 9",
-        "3. restarting means opening a new client",
-        "generated [4, 5, 6, 7, 8]",
+        '3. on_engine_failure="restart": the client launches the engine again',
+        "ERROR trio_enginecore.client: engine rank 0, pid ",
+        "died: was killed by signal 9",
+        "WARNING trio_enginecore.client: restarting engine rank 0, pid ",
+        "the stream raised EngineDeadError: engine rank 0, pid ",
+        "died: was killed by signal 9",
+        "engine rank 0 is 'restarting'; client.is_dead=False",
+        "is back in service (restart 1)",
+        "engine rank 0 is 'alive', restarts=1, new pid: True",
+        "the request sent again generated [4, 5, 6, 7, 8]",
+        "leaving the client's block raised nothing: the client never failed",
     ],
     "several_engines": [
         "1. one client balancing over three engines",
@@ -109,6 +122,18 @@ EXPECTED_OUTPUT: dict[str, list[str]] = {
         "3. an engine joining over TCP, authenticated with CURVE",
         "launched by the client: (None,)",
         "generated over CURVE: [4, 5, 6, 7, 8]",
+        "4. on_engine_failure=Restart(...): rank 1 of two is killed",
+        "ERROR trio_enginecore.client: engine rank 1, pid ",
+        "died: was killed by signal 9",
+        "WARNING trio_enginecore.client: restarting engine rank 1, pid ",
+        "the stream on rank 0: 20 tokens; on rank 1: EngineDeadError",
+        "engine states: ['alive', 'restarting'], client.is_dead=False",
+        "pinned to rank 1: EngineDeadError: data_parallel_rank 1 is out of service "
+        "(it is restarting)",
+        "not pinned: [4, 5, 6]",
+        "WARNING trio_enginecore.client: engine rank 1, pid ",
+        "is back in service (restart 1)",
+        "rank 1 is back: pinned to rank 1: [4, 5, 6], restarts per engine: [0, 1]",
     ],
     "sync_and_inproc": [
         "1. SyncMPClient, called from plain threads",
@@ -134,6 +159,8 @@ EXPECTED_OUTPUT: dict[str, list[str]] = {
         "read 5 events, then closed the connection",
         'dropped the request: GET /health: 200 {"status":"ok","waiting":0,"running":0}',
         "3. the engine process is killed",
+        "ERROR trio_enginecore.client: engine rank 0, pid ",
+        "died: was killed by signal 9",
         'GET /health: 503 {"status":"dead","error":"engine rank 0, pid ',
         "died: was killed by signal 9",
         'POST /generate: 503 {"error":',
@@ -406,3 +433,263 @@ def test_the_vllm_page_maps_every_vllm_client_method() -> None:
     mentioned = set(re.findall(r"\b(\w+)\(", page)) | set(re.findall(r"`(\w+)`", page))
     missing = [name for name in VLLM_CLIENT_METHODS if name not in mentioned]
     assert not missing, f"from_vllm.md does not mention: {missing}"
+
+
+# ------------------------------------------------- docs that agree with the code
+#
+# What a test can tell of the documentation's claims about the code: the options and
+# their defaults, the keywords the examples pass, the failure policies, how the package
+# is installed, and a few statements found wrong before (issue 29).
+
+README = ROOT / "README.md"
+PACKAGE = ROOT / "trio_enginecore"
+
+
+def doc_pages() -> list[Path]:
+    """The pages of the documentation (its sources, not the build)."""
+    return sorted(
+        page
+        for page in [*DOCS.rglob("*.md"), *DOCS.rglob("*.rst")]
+        if "_build" not in page.relative_to(DOCS).parts
+    )
+
+
+def package_sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+# The texts a claim may be in: the pages (the README with them), the tutorials'
+# programs, and the package's docstrings and messages.
+TEXT_SCOPES = {
+    "docs": lambda: [README, *doc_pages(), *TUTORIAL_PROGRAMS],
+    "package": package_sources,
+}
+
+
+def _options_defaults() -> dict[str, Any]:
+    import attrs
+
+    from trio_enginecore.client import ClientOptions
+
+    return {field.name: field.default for field in attrs.fields(ClientOptions)}
+
+
+def docstring_args(function: Any) -> dict[str, str]:
+    """The entries of a Google-style docstring's ``Args:`` section, by name, each
+    entry's text on one line."""
+    doc = inspect.getdoc(function) or ""
+    assert "\nArgs:\n" in doc, f"{function.__name__}'s docstring has no Args: section"
+    section = doc.split("\nArgs:\n", 1)[1]
+    section = re.split(r"\n(?=\S)", section, maxsplit=1)[0]  # up to the next section
+    return {
+        match["name"]: " ".join(match["text"].split())
+        for match in re.finditer(
+            r"^    (?P<name>\w+): (?P<text>.*?)(?=^    \w+: |\Z)", section, re.M | re.S
+        )
+    }
+
+
+def test_open_engine_client_documents_every_option_with_its_default() -> None:
+    """``help(open_engine_client)`` shows each option (they come as ``**keywords``,
+    which the signature cannot show): its name in ``Args:``, ending ``(default
+    ``VALUE``)`` with VALUE the ClientOptions field's default."""
+    from trio_enginecore.client import Liveness, Restart
+
+    function = trio_enginecore.open_engine_client
+    entries = docstring_args(function)
+    defaults = {
+        # The keyword-only parameters of the signature, then the options.
+        parameter.name: parameter.default
+        for parameter in inspect.signature(function).parameters.values()
+        if parameter.kind is parameter.KEYWORD_ONLY
+    }
+    defaults |= _options_defaults()
+    problems: list[str] = []
+    for name, default in defaults.items():
+        text = entries.get(name)
+        if text is None:
+            problems.append(f"{name}: not in Args")
+            continue
+        shown = re.search(r"\(default ``(?P<value>[^`]+)``\)", text)
+        if shown is None:
+            problems.append(f"{name}: no '(default ``...``)' in {text!r}")
+            continue
+        namespace = {"__builtins__": {}, "Liveness": Liveness, "Restart": Restart}
+        value = eval(shown["value"], namespace)  # our own docstring's text
+        if value != default or type(value) is not type(default):
+            problems.append(f"{name}: documented default {shown['value']}, really {default!r}")
+    assert not problems, "open_engine_client's docstring:\n" + "\n".join(problems)
+
+
+def _keywords_of(function: Any) -> set[str] | None:
+    """The keyword names ``function`` accepts (None: any)."""
+    import typing
+
+    names: set[str] = set()
+    signature = inspect.signature(function)
+    for parameter in signature.parameters.values():
+        if parameter.kind is parameter.VAR_KEYWORD:
+            hints = typing.get_type_hints(function, include_extras=True)
+            hint = hints.get(parameter.name)
+            if typing.get_origin(hint) is typing.Unpack:
+                (typed_dict,) = typing.get_args(hint)
+                names |= set(typing.get_type_hints(typed_dict))
+            else:
+                return None
+        elif parameter.kind is not parameter.VAR_POSITIONAL:
+            names.add(parameter.name)
+    return names
+
+
+def documented_callables() -> dict[str, set[str]]:
+    """The callables the pages call with keywords, and the keywords each accepts."""
+    from trio_enginecore import client, config, coordinator
+    from trio_enginecore.client import ClientOptions
+
+    options = set(_options_defaults())
+    callables: dict[str, set[str]] = {
+        # These pass their keywords to the client's options (open_trio_mp_client).
+        "make_client": {"config", "multiprocess", "cancel_on_failure", *options},
+        "SyncMPClient": {"config", "cancel_on_failure", *options},
+    }
+    for name, function in {
+        "open_engine_client": trio_enginecore.open_engine_client,
+        "connect_engine_client": trio_enginecore.connect_engine_client,
+        "open_ray_engine_client": client.open_ray_engine_client,
+        "open_coordinator": coordinator.open_coordinator,
+        "ClientOptions": ClientOptions,
+        "EngineConfig": config.EngineConfig,
+        "Liveness": client.Liveness,
+        "Restart": client.Restart,
+        "RemoteEngines": client.RemoteEngines,
+        "RayEngines": client.RayEngines,
+    }.items():
+        keywords = _keywords_of(function)
+        assert keywords is not None, name
+        callables[name] = keywords
+    return callables
+
+
+def _call_arguments(text: str, start: int) -> str:
+    """The text between the parenthesis at ``start`` and its match (or the rest of the
+    text, for a call cut short)."""
+    depth = 0
+    for position in range(start, len(text)):
+        if text[position] in "([{":
+            depth += 1
+        elif text[position] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : position]
+    return text[start + 1 :]
+
+
+def _top_level_keywords(arguments: str) -> list[str]:
+    """The ``name=`` keywords of a call's arguments, not those of calls inside them."""
+    keywords: list[str] = []
+    depth = 0
+    for match in re.finditer(r"[([{]|[)\]}]|\b(\w+)\s*=(?!=)", arguments):
+        token = match[0]
+        if token in "([{":
+            depth += 1
+        elif token in ")]}":
+            depth -= 1
+        elif depth == 0:
+            keywords.append(match[1])
+    return keywords
+
+
+def test_the_keywords_the_docs_pass_exist() -> None:
+    """Every ``Name(keyword=...)`` the pages, the README and the docstrings show, for
+    the openers and the settings classes, names a keyword they accept."""
+    callables = documented_callables()
+    call = re.compile(
+        r"(?<![\w.])(?<!def )(?P<qualifier>(?:\w+\.)*)(?P<name>" + "|".join(callables) + r")\("
+    )
+    wrong: list[str] = []
+    for page in [README, *doc_pages(), *package_sources()]:
+        text = page.read_text()
+        for match in call.finditer(text):
+            if match["qualifier"] and not match["qualifier"].startswith("trio_enginecore."):
+                continue  # vLLM's (EngineCoreClient.make_client), or another library's
+            arguments = _call_arguments(text, match.end() - 1)
+            for keyword in _top_level_keywords(arguments):
+                if keyword not in callables[match["name"]]:
+                    line = text.count("\n", 0, match.start()) + 1
+                    wrong.append(f"{page.relative_to(ROOT)}:{line}: {match['name']}({keyword}=")
+    assert not wrong, "keywords the code does not accept:\n" + "\n".join(wrong)
+
+
+def test_every_failure_policy_the_docs_name_exists() -> None:
+    """``on_engine_failure="VALUE"``, in a page, a tutorial or a docstring: VALUE is
+    one of the policies (the other values are ``Restart(...)``, a placeholder or a
+    variable)."""
+    from trio_enginecore.client._options import FAILURE_POLICIES
+
+    wrong: list[str] = []
+    for page in [README, *doc_pages(), *TUTORIAL_PROGRAMS, *package_sources()]:
+        text = page.read_text()
+        for match in re.finditer(r"on_engine_failure\s*=\s*\\?(['\"])(?P<value>.*?)\\?\1", text):
+            if match["value"] not in FAILURE_POLICIES:
+                line = text.count("\n", 0, match.start()) + 1
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {match[0]}")
+    assert not wrong, "failure policies that do not exist:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("page_name", ["engine_death", "several_engines"])
+def test_the_engine_death_tutorials_cover_every_failure_policy(page_name: str) -> None:
+    """A reader looking for ``on_engine_failure`` finds both tutorials about deaths, and
+    each names all three policies."""
+    from trio_enginecore.client._options import FAILURE_POLICIES
+
+    text = (TUTORIALS / f"{page_name}.md").read_text()
+    assert "on_engine_failure" in text
+    missing = [policy for policy in FAILURE_POLICIES if f'"{policy}"' not in text]
+    assert not missing, f"{page_name}.md does not name the policies {missing}"
+    assert "never restarts" not in text, f"{page_name}.md says a client never restarts"
+
+
+# Statements the code contradicts: a pattern, and what is true instead.
+FALSE_STATEMENTS = {
+    "coordinator-process": (
+        r"coordinator\s+process",
+        "the client runs the coordinator as one of its tasks, not as a process",
+    ),
+    "no-logging-configured": (
+        r"no\s+logging\s+configured",
+        "the package adds a NullHandler: with no logging configured, nothing of the "
+        "library's logging shows (say that the program must configure logging)",
+    ),
+    # The README's forms are from a checkout ("/path/to/trio-enginecore[ray]",
+    # ".[ray]") or from git ("trio-enginecore @ git+..."): the package is not on PyPI.
+    "pip-install-from-pypi": (
+        r"pip install\s+['\"]?trio-enginecore(?!\s*@)",
+        "trio-enginecore is not on PyPI: install it (and its extras) as the README does",
+    ),
+}
+
+
+@pytest.mark.parametrize("scope", sorted(TEXT_SCOPES))
+@pytest.mark.parametrize("statement", sorted(FALSE_STATEMENTS))
+def test_no_text_makes_a_statement_the_code_contradicts(statement: str, scope: str) -> None:
+    pattern, truth = FALSE_STATEMENTS[statement]
+    found = [
+        f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: {match[0]!r}"
+        for path in TEXT_SCOPES[scope]()
+        for text in [path.read_text()]
+        for match in re.finditer(pattern, text, re.IGNORECASE)
+    ]
+    assert not found, f"{truth}:\n" + "\n".join(found)
+
+
+def test_tutorials_that_show_the_librarys_log_lines_configure_logging() -> None:
+    """The package logs to a NullHandler: a program shows the client's log lines (a
+    death, a restart) only once it configures logging, so every tutorial whose page
+    names the client's logger does so."""
+    silent = [
+        program.name
+        for program in TUTORIAL_PROGRAMS
+        if re.search(r"`trio_enginecore\.[\w.]+` logger", program.with_suffix(".md").read_text())
+        and "logging.basicConfig(" not in program.read_text()
+    ]
+    assert not silent, f"tutorials showing log lines with no logging configured: {silent}"

@@ -348,11 +348,28 @@ def test_length_limits_win_over_stop_tokens_and_eos() -> None:
 
 # ------------------------------------------------------------------ rejection
 
+
+def _changed_sampling(**changes: Any) -> EngineCoreRequest:
+    """A request whose sampling parameters were changed after they were built."""
+    request = req("bad")
+    params = request.sampling_params
+    assert params is not None
+    for name, value in changes.items():
+        setattr(params, name, value)
+    return request
+
+
+def _lora_with_str_id() -> LoRARequest:
+    lora = LoRARequest("adapter", 1)
+    lora.lora_int_id = "1"  # type: ignore[assignment]
+    return lora
+
+
 INVALID_REQUESTS = {
     "empty prompt": (req("bad", []), "at least one token"),
-    "no prompt": (req("bad", None), "at least one token"),
+    "no prompt": (req("bad", None), "needs prompt_token_ids"),
     "token above the vocabulary": (req("bad", [1, 32000]), "[0, 32000)"),
-    "negative token": (req("bad", [-1, 2]), "[0, 32000)"),
+    "negative token": (req("bad", [-1, 2]), "prompt_token_ids[0] is -1"),
     "prompt fills max_model_len": (req("bad", list(range(64))), "max_model_len is 64"),
     "prompt exceeds max_model_len": (req("bad", list(range(65))), "max_model_len is 64"),
     "pooling request": (
@@ -371,6 +388,16 @@ INVALID_REQUESTS = {
         "token-id prompts only",
     ),
     "empty request id": (req(""), "request_id must not be empty"),
+    # Nothing decodes a request handed over in-process: the engine checks its fields.
+    "a str seed": (_changed_sampling(seed="1"), "SamplingParams.seed must be an int or None"),
+    "a str ignore_eos": (_changed_sampling(ignore_eos="yes"), "ignore_eos must be a bool"),
+    "str stop token ids": (_changed_sampling(stop_token_ids=["a"]), "item 0 is str 'a'"),
+    "a temperature out of range": (_changed_sampling(temperature=5.0), "temperature must be in"),
+    "a seed beyond 64 bits": (_changed_sampling(seed=2**64), "must fit in 64 bits"),
+    "a str LoRA id": (
+        msgspec.structs.replace(req("bad"), lora_request=_lora_with_str_id()),
+        "LoRARequest.lora_int_id must be an int",
+    ),
 }
 
 

@@ -33,8 +33,8 @@ from trio_enginecore import (
     TrioMPClient,
     open_engine_client,
 )
+from trio_enginecore._request_checks import check_request, check_requests
 from trio_enginecore.client._stream import open_request_stream
-from trio_enginecore.client._validate import check_request, check_requests
 from trio_enginecore.protocol import EngineCoreOutput, LoRARequest, RequestError
 from trio_enginecore.serial import MsgpackEncoder
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client

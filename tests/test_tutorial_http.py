@@ -91,6 +91,14 @@ def doomed_server(request: pytest.FixtureRequest) -> Iterator[Server]:
             server.process.communicate()
 
 
+def death_logged(server: Server) -> str:
+    """The line the client logs when the server's engine is killed."""
+    return (
+        f"ERROR trio_enginecore.client: engine rank 0, pid {server.engine_pid} died: "
+        "was killed by signal 9"
+    )
+
+
 def parse_events(lines: list[str]) -> list[tuple[str, Any]]:
     """Server-sent events as (event name, decoded JSON data)."""
     events: list[tuple[str, Any]] = []
@@ -233,10 +241,12 @@ async def test_health_answers_503_once_the_engine_is_killed(doomed_server: Serve
         assert response.status_code == 503
         assert (await http.get("/health")).status_code == 503  # and it stays so
 
-    # Stopping it reports the engine's death, with a failing exit status.
+    # Stopping it reports the engine's death, with a failing exit status; the client
+    # had logged the death already (the program configures logging, to stdout).
     returncode, rest = stop_server(server)
     assert returncode == 1, rest
     assert "raised EngineDeadError" in rest
+    assert death_logged(server) in rest
 
 
 @pytest.mark.parametrize("doomed_server", [("--on-engine-death", "stop")], indirect=True)
@@ -285,3 +295,19 @@ async def test_with_the_restart_policy_the_server_serves_on_after_the_engine_is_
     returncode, rest = stop_server(server)
     assert returncode == 0, rest
     assert "server stopped" in rest
+    # The program configures logging (to stdout), so the death and the restart the
+    # client logs are in its output, in that order.
+    died = rest.find(death_logged(server))
+    assert died >= 0, rest
+    restarting = rest.find(
+        f"WARNING trio_enginecore.client: restarting engine rank 0, pid {server.engine_pid}"
+    )
+    assert restarting > died, rest
+    back = re.search(
+        r"WARNING trio_enginecore\.client: engine rank 0, pid (\d+) is back in service "
+        r"\(restart 1\)",
+        rest,
+    )
+    assert back is not None, rest
+    assert back.start() > restarting, rest
+    assert int(back[1]) != server.engine_pid, rest  # a new process

@@ -73,7 +73,34 @@ class EngineDeadError(EngineCoreError):
 
     Every waiter on that engine (streams, utility calls, ``get_output``) receives this
     error; the client cannot be used with that engine afterwards.
+
+    Attributes:
+        rank: the data-parallel rank of the engine that died, when one engine is to
+            blame (None when the client failed as a whole for another reason, or was
+            closed).
+        pid: that engine's process id, when the client launched it (None otherwise).
+        location: where that engine runs, when it was started elsewhere (its host, or
+            its Ray actor and node), else None.
+        retryable: whether sending the same request (or call) again on this client
+            may succeed: True when another engine is in service or the dead one is
+            being restarted (``on_engine_failure="route_around"`` or ``"restart"``),
+            False when the client failed as a whole (open a new one).
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        pid: int | None = None,
+        location: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.pid = pid
+        self.location = location
+        self.retryable = retryable
 
 
 class RequestFailedError(EngineCoreError):
@@ -116,7 +143,10 @@ class UtilityCallError(EngineCoreError):
 
     def __init__(self, method: str, engine_message: str, *, rank: int | None = None) -> None:
         where = "the engine" if rank is None else f"engine {rank}"
-        super().__init__(f"utility call {method!r} failed on {where}: {engine_message}")
+        # vLLM's engines (and ours) say "Call to <method> method failed: <why>": the
+        # message says that part once, its own way.
+        reason = engine_message.removeprefix(f"Call to {method} method failed: ")
+        super().__init__(f"utility call {method!r} failed on {where}: {reason}")
         self.method = method
         self.engine_message = engine_message
         self.rank = rank

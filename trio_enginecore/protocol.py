@@ -58,6 +58,7 @@ them without touching private names.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 import uuid
@@ -78,6 +79,8 @@ from typing import (
 import msgspec
 import numpy as np
 import numpy.typing as npt
+
+from ._field_checks import FieldCheck
 
 __all__ = [
     "COORDINATOR_READY",
@@ -403,6 +406,9 @@ class StructuredOutputsParams(msgspec.Struct, gc=False):
     _backend: str | None = None
     _backend_was_auto: bool = False
 
+    def __post_init__(self) -> None:
+        field_check(StructuredOutputsParams).check(self)
+
 
 class RepetitionDetectionParams(msgspec.Struct, gc=False):
     """Parameters of n-gram repetition detection. A map with every field present."""
@@ -411,9 +417,18 @@ class RepetitionDetectionParams(msgspec.Struct, gc=False):
     min_pattern_size: int = 0
     min_count: int = 0
 
+    def __post_init__(self) -> None:
+        field_check(RepetitionDetectionParams).check(self)
+
 
 _SAMPLING_EPS: Final = 1e-5
 _MIN_TEMPERATURE: Final = 1e-2
+
+
+@functools.cache
+def field_check(cls: type[msgspec.Struct]) -> FieldCheck:
+    """The check of ``cls``'s fields against its annotations, built on first use."""
+    return FieldCheck(cls)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -423,10 +438,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     (and decoding, since msgspec runs ``__post_init__`` on decode) normalises the same
     way vLLM does, so equal arguments give equal bytes, and validates the values.
 
+    Every field is checked against its annotation (``SamplingParams.seed must be an
+    int or None, got str '1'``), before any normalising; a field set after
+    construction is checked again by :meth:`check`, which every client calls.
+
     Raises:
-        ValueError: a value is out of range (the message names the field). When this
-            happens while decoding, the decoder reports it as a
-            :class:`~trio_enginecore.errors.ProtocolError`.
+        TypeError: a value of the wrong type (the message names the field).
+        ValueError: a value out of range, or an int beyond the 64 bits msgpack
+            carries (the message names the field). When this happens while decoding,
+            the decoder reports it as a :class:`~trio_enginecore.errors.ProtocolError`.
     """
 
     n: int = 1
@@ -476,6 +496,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     trace_decode_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        _SAMPLING_FIELDS.check(self)
         if 0 < self.temperature < _MIN_TEMPERATURE:
             # Tiny temperatures overflow the softmax; vLLM raises them to a floor.
             self.temperature = _MIN_TEMPERATURE
@@ -510,6 +531,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
             )
 
+    def check(self) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the field if one is wrong.
+
+        Construction checks every field; this checks them again, for parameters
+        changed since (``params.seed = "1"``). Changes nothing. The clients call it on
+        every request they send, and the reference engine on every request it gets.
+        """
+        _SAMPLING_FIELDS.check(self)
+        self._validate()
+
     def _validate(self) -> None:
         def bad(what: str) -> ValueError:
             return ValueError(f"SamplingParams: {what}")
@@ -542,13 +573,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and value < -1:
                 raise bad(f"{name} must be >= 0 or -1 (all), got {value}")
-        assert isinstance(self.stop, list)
-        if any(not s for s in self.stop):
+        # Lists once built; a str or None only if set since (check()).
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(not s for s in stop):
             raise bad("stop cannot contain an empty string")
-        if self.stop and not self.detokenize:
+        if stop and not self.detokenize:
             raise bad("stop strings need detokenize=True")
-        assert self.bad_words is not None
-        if any(not w for w in self.bad_words):
+        if any(not w for w in self.bad_words or ()):
             raise bad("bad_words cannot contain an empty string")
 
     @property
@@ -565,6 +596,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def bad_words_token_ids(self) -> list[list[int]] | None:
         """Token sequences that must not be produced (``_bad_words_token_ids``)."""
         return self._bad_words_token_ids
+
+
+_SAMPLING_FIELDS: Final = field_check(SamplingParams)
 
 
 class SamplingKeywords(TypedDict, total=False):
@@ -609,6 +643,9 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     load_inplace: bool = False
     is_3d_lora_weight: bool = False
 
+    def __post_init__(self) -> None:
+        field_check(LoRARequest).check(self)
+
 
 class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Parameters of a pooling (embedding, classification) request."""
@@ -624,6 +661,9 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     extra_kwargs: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     late_chunking_params: Any = None
+
+    def __post_init__(self) -> None:
+        field_check(PoolingParams).check(self)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

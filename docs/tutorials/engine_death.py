@@ -1,7 +1,9 @@
-"""When the engine dies: EngineDeadError everywhere, then a fresh client."""
+"""When the engine dies: EngineDeadError everywhere (the default), or a restart."""
 
+import logging
 import os
 import signal
+import sys
 
 import trio
 
@@ -65,23 +67,51 @@ async def killed_process() -> None:
         print(f"   get_output() raised EngineDeadError: {exc}")
 
 
-async def restart() -> None:
-    print("3. restarting means opening a new client")
-    async with open_engine_client(CONFIG) as client:
+async def restarted() -> None:
+    print('3. on_engine_failure="restart": the client launches the engine again')
+    async with open_engine_client(CONFIG, on_engine_failure="restart") as client:
+        pid = client.engine_pids[0]
+        assert pid is not None
+        try:
+            async with client.stream(
+                EngineCoreRequest.for_tokens([1, 2, 3], request_id="victim", max_tokens=10_000)
+            ) as outputs:
+                await outputs.receive()  # the request is running
+                os.kill(pid, signal.SIGKILL)
+                async for _ in outputs:
+                    pass
+        except EngineDeadError as exc:
+            # The requests the engine had fail, as under "fail"; the client does not.
+            print(f"   the stream raised EngineDeadError: {exc}")
+        engine = client.statistics().engines[0]
+        print(f"   engine rank 0 is {engine.state!r}; client.is_dead={client.is_dead}")
+
+        # A new request waits for the engine to be back in service (at most
+        # Restart.wait_s, 30 s), then runs on it. The same id may be used again.
         token_ids: list[int] = []
         async with client.stream(
-            EngineCoreRequest.for_tokens([1, 2, 3], request_id="again", max_tokens=5)
+            EngineCoreRequest.for_tokens([1, 2, 3], request_id="victim", max_tokens=5)
         ) as outputs:
             async for output in outputs:
                 token_ids.extend(output.new_token_ids)
-        print(f"   a new engine (pid {client.engine_pids[0]}) generated {token_ids}")
+        engine = client.statistics().engines[0]
+        new_pid = client.engine_pids[0] != pid
+        print(
+            f"   engine rank 0 is {engine.state!r}, restarts={engine.restarts}, new pid: {new_pid}"
+        )
+        print(f"   the request sent again generated {token_ids}")
+    print("   leaving the client's block raised nothing: the client never failed")
 
 
 async def main() -> None:
     await fatal_error()
     await killed_process()
-    await restart()
+    await restarted()
 
 
 if __name__ == "__main__":
+    # The client logs each death and restart on the "trio_enginecore.client" logger;
+    # the package adds no handler of its own, so nothing shows until the program
+    # configures logging. This line sends the records to stdout, among the prints.
+    logging.basicConfig(stream=sys.stdout, format="   %(levelname)s %(name)s: %(message)s")
     trio.run(main)

@@ -8,6 +8,7 @@ an HTTP client, and stops. With --serve it serves until Ctrl-C (or SIGTERM):
 
 import argparse
 import codecs
+import logging
 import os
 import signal
 import sys
@@ -229,6 +230,8 @@ async def http_server(client: TrioMPClient, port: int) -> AsyncIterator[str]:
     """
     config = Config()
     config.bind = [f"127.0.0.1:{port}"]
+    # hypercorn's errors go through the program's logging too, not a handler of its own.
+    config.errorlog = logging.getLogger("hypercorn.error")
     # hypercorn types ASGI messages as TypedDicts; ours are plain dicts.
     app = cast(ASGIFramework, make_app(client))
     stop = trio.Event()
@@ -357,6 +360,9 @@ def main() -> None:
         help="with --serve: what to do when the engine dies (default: answer-503)",
     )
     args = parser.parse_args()
+    # The client logs an engine's death and restart on the "trio_enginecore.client"
+    # logger, and the package adds no handler: without this line nothing shows.
+    logging.basicConfig(stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.serve:
             trio.run(partial(serve_until_stopped, args.port, on_death=args.on_engine_death))

@@ -1,6 +1,9 @@
-"""Several engines: one client balancing over them, one client per engine, and an
-engine joining over TCP with CURVE."""
+"""Several engines: one client balancing over them, one client per engine, an engine
+joining over TCP with CURVE, and an engine that dies and is restarted."""
 
+import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,11 +14,12 @@ import trio
 from trio_enginecore import (
     EngineConfig,
     EngineCoreRequest,
+    EngineDeadError,
     RemoteEngines,
     open_coordinator,
     open_engine_client,
 )
-from trio_enginecore.client import DPTrioMPClient
+from trio_enginecore.client import DPTrioMPClient, Restart
 from trio_enginecore.curve import CurveServer, write_key_pair
 
 
@@ -150,11 +154,78 @@ async def an_engine_over_tcp() -> None:
             await engine.wait()
 
 
+async def one_engine_dies() -> None:
+    print("4. on_engine_failure=Restart(...): rank 1 of two is killed")
+    config = EngineConfig(data_parallel_size=2, step_time_s=0.01)
+    # "restart" with its default settings would do; a longer back-off (0.5 s by
+    # default) keeps rank 1 out of service long enough to look at the client meanwhile.
+    policy = Restart(backoff_s=1.0)
+    async with open_engine_client(config, on_engine_failure=policy) as client:
+        victim = client.engine_pids[1]
+        assert victim is not None
+        results: dict[int, str] = {}
+        streaming = trio.Semaphore(0)
+
+        async def generate(rank: int) -> None:
+            request = EngineCoreRequest.for_tokens(
+                [1, 2, 3], request_id=f"on-rank-{rank}", data_parallel_rank=rank, max_tokens=20
+            )
+            try:
+                async with client.stream(request) as outputs:
+                    tokens = list((await outputs.receive()).new_token_ids)
+                    streaming.release()
+                    tokens += [t async for output in outputs for t in output.new_token_ids]
+                results[rank] = f"{len(tokens)} tokens"
+            except EngineDeadError:
+                results[rank] = "EngineDeadError"
+
+        async with trio.open_nursery() as nursery:
+            for rank in (0, 1):
+                nursery.start_soon(generate, rank)
+            for _ in range(2):
+                await streaming.acquire()  # both requests are running
+            os.kill(victim, signal.SIGKILL)
+        # Only the requests of the engine that died fail; the others go on untouched.
+        print(f"   the stream on rank 0: {results[0]}; on rank 1: {results[1]}")
+        states = [engine.state for engine in client.statistics().engines]
+        print(f"   engine states: {states}, client.is_dead={client.is_dead}")
+
+        # Meanwhile new requests go to the engines in service; one naming rank 1 fails.
+        pinned = EngineCoreRequest.for_tokens([1, 2, 3], request_id="r1", data_parallel_rank=1)
+        try:
+            await client.add_request(pinned)
+        except EngineDeadError as exc:
+            print(f"   pinned to rank 1: EngineDeadError: {str(exc).split(':')[0]}")
+        async with client.stream(
+            EngineCoreRequest.for_tokens([1, 2, 3], request_id="any", max_tokens=3)
+        ) as outputs:
+            tokens = [t async for output in outputs for t in output.new_token_ids]
+        print(f"   not pinned: {tokens}")
+
+        # Once the new rank-1 engine is ready, it is back in routing.
+        with trio.fail_after(20):
+            while True:
+                if client.statistics().engines[1].state == "alive":
+                    break
+                await trio.sleep(0.05)
+        pinned = EngineCoreRequest.for_tokens(
+            [1, 2, 3], request_id="r1", data_parallel_rank=1, max_tokens=3
+        )
+        async with client.stream(pinned) as outputs:
+            tokens = [t async for output in outputs for t in output.new_token_ids]
+        restarts = [engine.restarts for engine in client.statistics().engines]
+        print(f"   rank 1 is back: pinned to rank 1: {tokens}, restarts per engine: {restarts}")
+
+
 async def main() -> None:
     await one_client_three_engines()
     await one_client_per_engine()
     await an_engine_over_tcp()
+    await one_engine_dies()
 
 
 if __name__ == "__main__":
+    # Show the client's log lines (the death and the restart of part 4) among the
+    # program's own: the package adds no handler, so nothing shows without this.
+    logging.basicConfig(stream=sys.stdout, format="   %(levelname)s %(name)s: %(message)s")
     trio.run(main)

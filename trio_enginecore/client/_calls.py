@@ -17,14 +17,14 @@ from typing import Any, Final, final
 import attrs
 import trio
 
-from ..errors import EngineDeadError, UtilityCallError
+from ..errors import UtilityCallError
 from ..protocol import (
     EEP_NOTIFICATION_CALL_ID,
     FT_STATUS_CALL_ID,
     UtilityOutput,
     UtilityRequest,
 )
-from ._engines import EngineHandle
+from ._engines import DeathNotice, EngineHandle
 
 __all__ = ["UtilityCall", "UtilityCalls", "call_engines"]
 
@@ -45,7 +45,7 @@ class UtilityCall:
     of ``statistics()``."""
     done: trio.Event = attrs.field(factory=trio.Event)
     reply: UtilityOutput | None = None
-    failure: str | None = None
+    failure: DeathNotice | None = None
 
 
 @final
@@ -101,11 +101,11 @@ class UtilityCalls:
                     callers += 1
         return own, callers
 
-    def fail(self, message: str, *, engine: EngineHandle | None = None) -> None:
-        """Fail every unanswered call (to ``engine`` only, if given) with ``message``."""
+    def fail(self, notice: DeathNotice, *, engine: EngineHandle | None = None) -> None:
+        """Fail every unanswered call (to ``engine`` only, if given) with ``notice``."""
         for call in self.pending.values():
             if not call.done.is_set() and (engine is None or call.engine is engine):
-                call.failure = message
+                call.failure = notice
                 call.done.set()
 
 
@@ -131,7 +131,9 @@ async def call_engines(
     """
     for engine in engines:
         if not engine.alive:
-            raise EngineDeadError(f"{engine.describe()} died: {engine.death}")
+            raise engine.death_notice(
+                f"{engine.describe()} died: {engine.death}", retryable=engine.restarting
+            ).error()
     pending: list[tuple[int, UtilityCall]] = []
     try:
         for engine in engines:
@@ -149,7 +151,7 @@ async def call_engines(
     results: list[Any] = []
     for engine, (_, call) in zip(engines, pending, strict=True):
         if call.failure is not None:
-            raise EngineDeadError(call.failure)
+            raise call.failure.error()
         reply = call.reply
         assert reply is not None
         if reply.failure_message is not None:

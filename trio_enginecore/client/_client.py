@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager, suppress
-from typing import Any
+from typing import Any, Self
 
 import trio
 
+from .._request_checks import check_request, check_requests
 from ..config import EngineConfig
 from ..errors import EngineDeadError, UtilityCallError
 from ..protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
@@ -36,7 +37,6 @@ from ._state import ClientState
 from ._stream import RequestStream, StreamBlock, StreamFeed
 from ._supervision import wait_for_service
 from ._transport import ClientLink, Transport
-from ._validate import check_request, check_requests
 
 __all__ = ["TrioEngineClient"]
 
@@ -52,6 +52,10 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
     :class:`~trio_enginecore.AsyncEngineCoreClient` for the methods and their
     cancellation semantics. As a :class:`trio.abc.AsyncResource`, ``async with
     client:`` closes it on the way out.
+
+    A client built with its constructor does nothing until :meth:`start`: every
+    method of a client that was never started (``async with client:`` included)
+    raises ``RuntimeError`` saying so, rather than serving with no engine.
 
     Args:
         transport: how messages reach the engines.
@@ -117,6 +121,8 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         """
         if self._started:
             raise RuntimeError("the engine client was already started")
+        if self._state.closed:
+            raise trio.ClosedResourceError("the engine client was closed")
         self._started = True
         await self._transport.start(
             nursery,
@@ -132,6 +138,26 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
                 self._state.engine_cleared,
             ),
         )
+
+    async def __aenter__(self) -> Self:
+        """``async with client:``, for a client you started: closes it on the way out.
+
+        Raises:
+            RuntimeError: the client was never started (``async with
+                open_engine_client(config) as client:`` starts one).
+        """
+        self._require_started()
+        return await super().__aenter__()
+
+    def _require_started(self) -> None:
+        if not self._started:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"this {name} was never started, so it has no engine: open a client with "
+                f"`async with open_engine_client(config) as client:` (or "
+                f"connect_engine_client(nursery, config)), or call "
+                f"`await client.start(nursery)` before using a {name} you built yourself"
+            )
 
     async def aclose(self) -> None:
         """Abort in-flight requests, close every stream and call, stop the transport.
@@ -178,6 +204,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
 
     def statistics(self) -> ClientStatistics:
         """A frozen snapshot of the client's counters."""
+        self._require_started()
         return self._state.statistics()
 
     async def wait_failed(self) -> EngineDeadError:
@@ -194,13 +221,14 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
                 without failing.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         state = self._state
         if state.ended.is_set():
             await trio.lowlevel.cancel_shielded_checkpoint()
         else:
             await state.ended.wait()
         if state.failure is not None:
-            return EngineDeadError(state.failure)
+            return state.dead_error()
         raise trio.ClosedResourceError("the engine client was closed")
 
     @property
@@ -233,6 +261,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             trio.ClosedResourceError: the client is closed (before or while waiting).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         self._state.raise_if_unusable()
         await self._waves.wait_changed()
         self._state.raise_if_unusable()
@@ -273,6 +302,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             trio.ClosedResourceError: the client is shutting down.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         state = self._state
         state.raise_if_unusable()
         batch = list(requests)
@@ -303,6 +333,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         # taken. (Waiting is the schedule point when nothing is pending yet.)
         state = self._state
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         if len(state.batches):
             await trio.lowlevel.cancel_shielded_checkpoint()
         while True:
@@ -327,6 +358,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         with your id.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         self._state.abort(request_ids)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
@@ -356,6 +388,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             TypeError, ValueError: on entry, as :meth:`add_request`; nothing was sent.
             EngineDeadError: the engine has died (on entry, or from the stream).
         """
+        self._require_started()
         return StreamBlock(request, *self._stream_hooks)
 
     # ------------------------------------------------------------- utilities
@@ -375,6 +408,8 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             UtilityCallError: the method raised on the engine; carries its message.
             EngineDeadError: the engine died before replying.
         """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         await self._wait_for_an_engine()
         (result,) = await self._call_engines([self._router.utility_engine()], method, args)
         return result
@@ -386,6 +421,8 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         Cancellation and errors as :meth:`call_utility` (the first engine failure is
         raised, naming the engine).
         """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         await self._wait_for_an_engine()
         return await self._call_engines(self._router.live, method, args)
 
@@ -429,6 +466,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
 
     async def _send_add(self, request: EngineCoreRequest, *, stream: StreamFeed | None) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._require_started()
         check_request(request)
         state = self._state
         state.raise_if_unusable()

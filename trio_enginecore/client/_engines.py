@@ -18,19 +18,43 @@ The states::
 from __future__ import annotations
 
 import collections
-from typing import Final
+from typing import Final, final
 
 import attrs
 import trio
 
 from ..dialects import OLDEST, Dialect
+from ..errors import EngineDeadError
 from ..protocol import EngineCoreReadyResponse, identity_for_rank
 from ._interface import EngineState, EngineStatus
 from ._lb import EngineLoad
 
-__all__ = ["STDERR_TAIL_LINES", "EngineHandle"]
+__all__ = ["STDERR_TAIL_LINES", "DeathNotice", "EngineHandle"]
 
 STDERR_TAIL_LINES: Final = 20
+
+
+@final
+@attrs.frozen
+class DeathNotice:
+    """What an :class:`~trio_enginecore.errors.EngineDeadError` says, kept to raise a
+    fresh error for each waiter (one exception object raised in several tasks would
+    mix their tracebacks)."""
+
+    message: str
+    rank: int | None = None
+    pid: int | None = None
+    location: str | None = None
+    retryable: bool = False
+
+    def error(self) -> EngineDeadError:
+        return EngineDeadError(
+            self.message,
+            rank=self.rank,
+            pid=self.pid,
+            location=self.location,
+            retryable=self.retryable,
+        )
 
 
 @attrs.define(eq=False)
@@ -93,6 +117,16 @@ class EngineHandle:
         self.stderr_done = trio.Event()
         self.ready = None
         self.stderr_tail.clear()
+
+    def death_notice(self, message: str, *, retryable: bool) -> DeathNotice:
+        """What an ``EngineDeadError`` blaming this engine says."""
+        return DeathNotice(
+            message,
+            rank=self.rank,
+            pid=self.process.pid if self.process is not None else None,
+            location=self.location,
+            retryable=retryable,
+        )
 
     def describe(self) -> str:
         pid = f", pid {self.process.pid}" if self.process is not None else ""

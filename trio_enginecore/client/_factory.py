@@ -125,64 +125,75 @@ def open_engine_client(
     meanwhile and the block did not raise, it raises one ``EngineDeadError``.
 
     The client's options come as one :class:`~trio_enginecore.client.ClientOptions`
-    (``options``) or as its fields given as keywords, never both:
+    (``options``) or as its fields given as keywords, never both. The signature shows
+    them as ``**keywords``; each is listed below, from ``input_address`` to
+    ``on_engine_failure``, with its default (a test checks them against
+    ``ClientOptions``).
 
     Args:
         config: the engine configuration (default: ``EngineConfig()``).
         options: the client's options, bundled (default: the keywords below).
-        multiprocess: run the engine in its own process (True) or in this one.
+        multiprocess: run the engine in its own process (True) or in this one
+            (default ``True``).
         cancel_on_failure: cancel the block's body when the client fails (an
             engine died), so that a server running in it stops; the block then
             raises the one ``EngineDeadError``. Without it, the body learns of the
-            failure from its calls, or from ``await client.wait_failed()``.
+            failure from its calls, or from ``await client.wait_failed()``
+            (default ``False``).
         input_address: attach mode: the address to bind the request ROUTER on, or a
             :class:`~trio_enginecore.ListenerFd`: a listening socket bound by another
-            process, which the client adopts (and then owns) instead of binding.
+            process, which the client adopts (and then owns) instead of binding
+            (default ``None``).
         output_address: attach mode: the address to bind the output PULL on, or a
-            :class:`~trio_enginecore.ListenerFd`.
-        ready_timeout_s: how long engines may take to become ready.
-        shutdown_timeout_s: how long launched engines may take to exit.
-        max_pending_outputs: messages kept for ``get_output()`` before they are
-            merged (never dropped).
-        client_index: this client's index among the engine's clients.
-        coordinator: data parallel: the addresses of a coordinator shared with other
-            clients (:func:`~trio_enginecore.open_coordinator`); required with
-            external load balancing, optional with internal (which otherwise
-            launches its own).
-        load_balancer: internal load balancing: the policy choosing an engine per
-            request (default :class:`~trio_enginecore.client.LeastLoaded`).
+            :class:`~trio_enginecore.ListenerFd` (default ``None``).
         remote: launch nothing; the engines start on other hosts
             (``trio-enginecore serve --headless``) and join over TCP, optionally
-            authenticated with CURVE (see :class:`~trio_enginecore.RemoteEngines`).
+            authenticated with CURVE (see :class:`~trio_enginecore.RemoteEngines`)
+            (default ``None``).
         liveness: how the client notices that an engine, of any kind, died,
             stopped or hung (:class:`~trio_enginecore.Liveness`): its connection
             under ZeroMQ heartbeats (a killed, stopped or cut-off engine is dead
             within about 2.3 s by default, whatever its step length), and its
             progress (an engine with work that sends nothing for 60 s is hung); a
             launched engine found either way is killed. ``None``: no checks, and
-            only a launched engine's exit is seen.
-        on_engine_failure: what one engine's death does to a client with several
-            (a launched engine's exit, a lost connection, no progress,
-            ``ENGINE_CORE_DEAD``).
-            ``"fail"`` (the default, as vLLM): the client fails; its requests on the
-            other engines keep streaming until the block ends, which raises one
-            ``EngineDeadError``. ``"route_around"``: the engine is taken out of
-            routing. Its requests fail, naming it (a stream raises
-            ``EngineDeadError``; a request of ``add_request`` ends with a local
-            ``FinishReason.ERROR`` output whose ``error.code`` is ``"engine_dead"``);
-            so do the utility calls it owed. Every other request, stream and call
-            goes on untouched, new requests go to the engines left (one naming the
-            dead rank raises ``EngineDeadError``), ``call_utility_all`` and the typed
-            utilities ask those, and the client fails only when no engine is left.
+            only a launched engine's exit is seen (default ``Liveness()``).
+        coordinator: data parallel: the addresses of a coordinator shared with other
+            clients (:func:`~trio_enginecore.open_coordinator`); required with
+            external load balancing, optional with internal (which otherwise runs
+            its own, as a task of the client) (default ``None``).
+        load_balancer: internal load balancing: the policy choosing an engine per
+            request; ``None`` is :class:`~trio_enginecore.client.LeastLoaded`
+            (default ``None``).
+        ready_timeout_s: how long, in seconds, engines may take to become ready
+            (default ``60.0``).
+        shutdown_timeout_s: how long, in seconds, launched engines may take to exit
+            (default ``5.0``).
+        max_pending_outputs: messages kept for ``get_output()`` before they are
+            merged (never dropped) (default ``64``).
+        client_index: this client's index among the engine's clients
+            (default ``0``).
+        on_engine_failure: what an engine's death does to the client (a launched
+            engine's exit, a lost connection, no progress, ``ENGINE_CORE_DEAD``).
+            ``"fail"`` (the default, as vLLM): the client fails; with several
+            engines, its requests on the other engines keep streaming until the
+            block ends, which raises one ``EngineDeadError``. ``"route_around"``:
+            the engine is taken out of routing. Its requests fail, naming it (a
+            stream raises ``EngineDeadError``; a request of ``add_request`` ends
+            with a local ``FinishReason.ERROR`` output whose ``error.code`` is
+            ``"engine_dead"``); so do the utility calls it owed. Every other
+            request, stream and call goes on untouched, new requests go to the
+            engines left (one naming the dead rank raises ``EngineDeadError``),
+            ``call_utility_all`` and the typed utilities ask those, and the client
+            fails only when no engine is left (with one engine, at once).
             ``"restart"`` (or a :class:`~trio_enginecore.client.Restart` with its
             settings; for engines this client launched, and remote ones with a
             :class:`~trio_enginecore.client.EngineRestarter`, Ray's included): as
             ``"route_around"``, and the engine is started again after a back-off,
-            handshaken, and put
-            back into routing once ready; while no engine is in service new
-            requests and utility calls wait for one (bounded); an engine that
-            needs too many restarts in a window is given up.
-            ``statistics().engines`` shows each engine's state and restarts.
+            handshaken, and put back into routing once ready; while no engine is
+            in service new requests and utility calls wait for one (bounded); an
+            engine that needs too many restarts in a window is given up.
+            ``statistics().engines`` shows each engine's state and restarts
+            (default ``"fail"``).
 
     Raises:
         EngineStartupError: an engine failed to start or was not ready in time; the
@@ -192,10 +203,13 @@ def open_engine_client(
         NotImplementedError: a configuration whose client is not available yet
             (see :func:`~trio_enginecore.client.select_client_kind`).
         ValueError: an option only multiprocess clients have (addresses, remote
-            engines, a coordinator, a load balancer, timeouts, liveness) with
-            ``multiprocess=False``; external load balancing without ``coordinator``;
-            a timeout that is not a positive number.
-        TypeError: both ``options`` and keywords.
+            engines, a coordinator, a load balancer, timeouts, liveness, a failure
+            policy) with ``multiprocess=False``; external load balancing without
+            ``coordinator``; a timeout that is not a positive number; an
+            ``on_engine_failure`` that is not a policy, or ``"restart"`` for engines
+            started elsewhere that have no restarter.
+        TypeError: both ``options`` and keywords, or a keyword that is not an
+            option.
     """
     config = config if config is not None else EngineConfig()
     kind = select_client_kind(config, multiprocess=multiprocess, blocking=False)

@@ -17,6 +17,7 @@ from typing import Any, final
 
 import trio
 
+from .._request_checks import check_request
 from ..config import EngineConfig
 from ..engine import EngineCore, FatalEngineError
 from ..errors import EngineDeadError
@@ -28,7 +29,6 @@ from ._running import run_client
 from ._startup import settle_dialects
 from ._sync import EngineCoreClient
 from ._transport import ClientLink
-from ._validate import check_request
 
 __all__ = ["InprocClient", "InprocTransport", "TrioInprocClient", "open_trio_inproc_client"]
 
@@ -190,7 +190,7 @@ class InprocClient(EngineCoreClient):
 
     def _check(self) -> None:
         if self._failure is not None:
-            raise EngineDeadError(self._failure)
+            raise EngineDeadError(self._failure, rank=self.config.data_parallel_rank)
         if self._closed:
             raise trio.ClosedResourceError("the engine client is closed")
 
@@ -200,7 +200,7 @@ class InprocClient(EngineCoreClient):
         except FatalEngineError as exc:
             self._failure = f"fatal engine error: {exc}"
             self._inflight.clear()
-            raise EngineDeadError(self._failure) from exc
+            raise EngineDeadError(self._failure, rank=self.config.data_parallel_rank) from exc
         for message in messages.values():
             self._messages += 1
             for output in message.outputs:

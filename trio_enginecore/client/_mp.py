@@ -125,9 +125,9 @@ class DPLBTrioMPClient(TrioMPClient):
     each request to the engine its ``load_balancer`` chooses (by default
     :class:`~trio_enginecore.client.LeastLoaded`, vLLM's score over the client's exact
     in-flight counts and the waiting/running counts the engines report through a
-    coordinator process launched with them, unless ``coordinator`` names a shared
-    one), or to ``request.data_parallel_rank`` when set. Aborts (and the aborts of
-    cancelled streams) go only to the engine that has the request.
+    coordinator, which the client runs as one of its own tasks unless ``coordinator``
+    names a shared one), or to ``request.data_parallel_rank`` when set. Aborts (and
+    the aborts of cancelled streams) go only to the engine that has the request.
     ``call_utility`` goes to rank 0, ``call_utility_all`` to every engine, and the
     typed wrappers to every engine, raising
     :class:`~trio_enginecore.errors.EngineConsensusError` if the answers differ.

@@ -62,8 +62,9 @@ logger = logging.getLogger("trio_enginecore.client")
 
 _POLL_S: Final = 0.5
 _RAY_MISSING: Final = (
-    "RayEngines needs Ray: pip install 'trio-enginecore[ray]' (the default install "
-    "does not pull it)"
+    "RayEngines needs Ray: install the ray extra (pip install "
+    '"/path/to/trio-enginecore[ray]" from a checkout, or pip install -e ".[ray]" in it; '
+    "the default install does not pull it)"
 )
 
 _T = TypeVar("_T")

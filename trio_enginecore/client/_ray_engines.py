@@ -61,7 +61,8 @@ _positive_or_none: Final = positive_number("RayEngines", optional=True)
 class RayEngines:
     """Engines placed on a Ray cluster, one actor per data-parallel rank (see
     :func:`open_ray_engine_client`). Needs the ``ray`` extra
-    (``pip install 'trio-enginecore[ray]'``).
+    (``pip install "/path/to/trio-enginecore[ray]"`` from a checkout, or
+    ``pip install -e ".[ray]"`` in it).
 
     Attributes:
         address: the cluster to use (``ray.init(address=...)``: ``"auto"``,

@@ -25,7 +25,7 @@ import trio
 
 from ..config import EngineConfig
 from ..coordinator import CoordinatorAddresses
-from ..errors import EngineDeadError, ProtocolError
+from ..errors import ProtocolError
 from ..protocol import CoordinatorPublication, EngineCoreRequest
 from ._engines import EngineHandle
 from ._lb import LoadBalancer
@@ -120,10 +120,11 @@ class Router:
         engine = engines[rank]
         if not engine.alive:
             restarting = " (it is restarting)" if engine.restarting else ""
-            raise EngineDeadError(
+            raise engine.death_notice(
                 f"data_parallel_rank {rank} is out of service{restarting}: "
-                f"{engine.describe()} died: {engine.death}"
-            )
+                f"{engine.describe()} died: {engine.death}",
+                retryable=engine.restarting,
+            ).error()
 
     def engine_for(self, request: EngineCoreRequest) -> EngineHandle:
         """The engine ``request`` goes to (call :meth:`check` first).

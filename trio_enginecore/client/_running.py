@@ -115,6 +115,7 @@ async def run_client(client: C, *, cancel_on_failure: bool = False) -> AsyncGene
             raise EngineDeadError("the engine client failed in the background") from background
     if error is not None:
         raise error
-    death = client.failure
-    if death is not None:
-        raise EngineDeadError(death)
+    if client.failure is not None:
+        # Returns at once for a failed client; the shield keeps the error.
+        with trio.CancelScope(shield=True):
+            raise await client.wait_failed()

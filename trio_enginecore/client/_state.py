@@ -32,7 +32,7 @@ from ..protocol import (
 )
 from ._calls import UtilityCalls
 from ._collector import BatchCollector
-from ._engines import EngineHandle
+from ._engines import DeathNotice, EngineHandle
 from ._interface import ClientStatistics
 from ._stream import StreamFeed
 
@@ -105,6 +105,8 @@ class ClientState:
         """Set (and replaced) whenever ``get_output()`` waiters should look again."""
         self.failure: str | None = None
         """Why the client is dead (the first engine death), or None."""
+        self.failure_notice: DeathNotice | None = None
+        """The error every call raises once the client is dead (``failure``'s)."""
         self.ended = trio.Event()
         """Set once the client failed (``failure`` says why) or started closing."""
         self.closing = False
@@ -144,9 +146,16 @@ class ClientState:
     def raise_if_unusable(self) -> None:
         """Raise what every call raises once the client is dead or closing."""
         if self.failure is not None:
-            raise EngineDeadError(self.failure)
+            raise self.dead_error()
         if self.closing:
             raise trio.ClosedResourceError("the engine client is closed")
+
+    def dead_error(self) -> EngineDeadError:
+        """A fresh copy of the error of a dead client (``failure`` must be set)."""
+        assert self.failure is not None
+        if self.failure_notice is not None:
+            return self.failure_notice.error()
+        return EngineDeadError(self.failure)
 
     def user_id(self, wire_id: str) -> str:
         """The caller's id of the request travelling under ``wire_id``."""
@@ -460,11 +469,14 @@ class ClientState:
         whole = not in_service and not (self.route_around and left)
         if whole and self.failure is None:
             self.failure = message if not self.route_around else f"no engine is left: {message}"
+            self.failure_notice = engine.death_notice(self.failure, retryable=False)
             self.ended.set()
         elif not whole and not in_service:
             serving = [e.rank for e in self.engines if e.alive]
             what = "restarting" if engine.restarting else "routing around"
             logger.warning("%s %s; engine(s) %s in service", what, engine.describe(), serving)
+        # Sending again is worth it while an engine is (or will be) in service.
+        notice = engine.death_notice(message, retryable=not whole)
         orphans: list[EngineCoreOutput] = []
         orphaned_ids: list[str] = []
         for wire_id, owner in list(self.inflight.items()):
@@ -479,7 +491,7 @@ class ClientState:
                     self._bury(user_id)
                 self.forget(wire_id)
                 if stream is not None:
-                    stream.fail(message)
+                    stream.fail(message, notice=notice)
                 elif not whole:
                     orphans.append(
                         EngineCoreOutput(
@@ -489,7 +501,7 @@ class ClientState:
                             error=RequestError("engine_dead", message, retryable=True),
                         )
                     )
-        self.calls.fail(message, engine=None if whole else engine)
+        self.calls.fail(notice, engine=None if whole else engine)
         if orphaned_ids and not whole:
             # Best effort, for an engine that may still be running; one that is gone
             # never reads it.
@@ -507,5 +519,5 @@ class ClientState:
             self.abort_wire(list(self.inflight))
         for stream in list(self.streams.values()):
             stream.fail("the engine client was closed")
-        self.calls.fail("the engine client was closed")
+        self.calls.fail(DeathNotice("the engine client was closed"))
         self.wake_batch_readers()

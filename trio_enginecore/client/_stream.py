@@ -19,6 +19,9 @@ from ..protocol import EngineCoreOutput, FinishReason, RequestError
 from ._collector import merge_outputs
 
 if TYPE_CHECKING:
+    from ._engines import DeathNotice
+
+if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from types import TracebackType
 
@@ -49,6 +52,7 @@ class StreamFeed:
     __slots__ = (
         "closed",
         "failure",
+        "failure_notice",
         "failure_type",
         "finished_delivered",
         "finished_received",
@@ -74,6 +78,7 @@ class StreamFeed:
         self.finished_delivered = False
         self.failure: str | None = None
         self.failure_type: type[EngineCoreError] = EngineDeadError
+        self.failure_notice: DeathNotice | None = None
         self.request_error: RequestError | None = None
         self.closed = False
         self.waiter: trio.lowlevel.Task | None = None
@@ -104,15 +109,22 @@ class StreamFeed:
             self.waiter = None
             trio.lowlevel.reschedule(waiter)
 
-    def fail(self, reason: str, error_type: type[EngineCoreError] = EngineDeadError) -> None:
+    def fail(
+        self,
+        reason: str,
+        error_type: type[EngineCoreError] = EngineDeadError,
+        *,
+        notice: DeathNotice | None = None,
+    ) -> None:
         """The request cannot go on: its engine died (or sent what cannot be used).
 
         The outputs already pending are still delivered; then ``receive`` raises
-        ``error_type(reason)``.
+        ``error_type(reason)``, or the ``EngineDeadError`` of ``notice``.
         """
         if self.failure is None and not self.finished_received:
             self.failure = reason
             self.failure_type = error_type
+            self.failure_notice = notice
             self.wake()
 
     def abort_locally(self) -> None:
@@ -222,6 +234,8 @@ class RequestStream(trio.abc.ReceiveChannel[EngineCoreOutput]):
                 if feed.finished_delivered:
                     raise StopAsyncIteration
                 if feed.failure is not None:
+                    if feed.failure_notice is not None:
+                        raise feed.failure_notice.error()
                     raise feed.failure_type(feed.failure)
                 feed.waiter = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(feed.abort_wait)

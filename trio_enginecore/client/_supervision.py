@@ -367,5 +367,6 @@ async def wait_for_service(router: Router, state: ClientState, wait_s: float) ->
         return
     restarting = ", ".join(f"{e.describe()} ({e.death})" for e in state.engines if e.restarting)
     raise EngineDeadError(
-        f"no engine in service after waiting {wait_s:g} s; restarting: {restarting}"
+        f"no engine in service after waiting {wait_s:g} s; restarting: {restarting}",
+        retryable=True,
     )

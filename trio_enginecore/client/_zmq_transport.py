@@ -129,7 +129,8 @@ class ZmqTransport:
             raise ValueError(RESTART_NEEDS_LAUNCHED_ENGINES)
         self.coordinator: CoordinatorAddresses | None = role.coordinator
         self.refusals = CurveRefusals()
-        self._ctx: zmq.Context[Any] = zmq.Context()
+        # Made by start(): a client that is built and never started holds nothing.
+        self._ctx: zmq.Context[Any] | None = None
         self._input: TrioSocket | None = None
         self._output: TrioSocket | None = None
         self._encoder = MsgpackEncoder()
@@ -180,12 +181,18 @@ class ZmqTransport:
         except trio.WouldBlock:  # pragma: no cover - a ROUTER with HWM 0 never blocks
             raise EngineCoreError("the input socket refused a message") from None
 
+    @property
+    def _context(self) -> zmq.Context[Any]:
+        assert self._ctx is not None, "the transport was not started"
+        return self._ctx
+
     # ------------------------------------------------------------------ startup
 
     async def start(self, nursery: trio.Nursery, link: ClientLink) -> None:
         topology = self.topology
         self._link = link
         self._nursery = nursery
+        self._ctx = zmq.Context()
         self._follower = CoordinatorFollower(self._ctx, link, self.topology.curve)
         self._deaths = DeathAttribution(link, topology.attribution_window_s)
         engines = link.state.engines
@@ -376,7 +383,7 @@ class ZmqTransport:
             public, arguments = local_engine_keys(self._ipc_dir, curve)
             allowed.add(public)
         await nursery.start(
-            self._run_socket_task, partial(run_zap_handler, self._ctx, allowed, self._refused)
+            self._run_socket_task, partial(run_zap_handler, self._context, allowed, self._refused)
         )
         return arguments
 
@@ -409,7 +416,7 @@ class ZmqTransport:
 
     def _server_socket(self, socket_type: int) -> TrioSocket:
         """A socket engines connect to: a CURVE server when remote engines use CURVE."""
-        sock = make_socket(self._ctx, socket_type)
+        sock = make_socket(self._context, socket_type)
         if self.topology.curve is not None:
             self.topology.curve.apply(sock)
         return sock
@@ -460,7 +467,7 @@ class ZmqTransport:
                 self._run_socket_task,
                 partial(
                     serve_coordinator,
-                    self._ctx,
+                    self._context,
                     engines=len(link.state.engines),
                     addresses=addresses,
                     curve=self.topology.curve,
@@ -494,7 +501,8 @@ class ZmqTransport:
             self._follower.close()
         # destroy() also closes any socket a failed startup left behind, with linger 0,
         # so terminating the context cannot block.
-        self._ctx.destroy(linger=0)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         logger.debug("transport closed: sockets, context and private directory released")

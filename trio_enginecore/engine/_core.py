@@ -24,6 +24,7 @@ from typing import Any, Final, Literal, TypeVar, cast, get_type_hints
 import msgspec
 import numpy as np
 
+from .._request_checks import check_request
 from ..config import EngineConfig
 from ..protocol import (
     CheckpointState,
@@ -292,6 +293,15 @@ class EngineCore:
             logger.warning("rejecting request %r: %s", request.request_id, problem)
             self.reject(request.request_id, request.client_index, problem)
             return
+        try:
+            self._admit(request)
+        except Exception as exc:
+            # Something no check foresaw: it is this request's failure, never the
+            # engine's (an engine in the client's process would take the client down).
+            logger.exception("rejecting request %r", request.request_id)
+            self.reject(request.request_id, request.client_index, f"invalid request: {exc!r}")
+
+    def _admit(self, request: EngineCoreRequest) -> None:
         params = request.sampling_params
         assert params is not None
         assert request.prompt_token_ids is not None
@@ -311,8 +321,12 @@ class EngineCore:
         self._waiting.append(state)
 
     def _validate(self, request: EngineCoreRequest) -> str | None:
-        if not request.request_id:
-            return "request_id must not be empty"
+        try:
+            # What a typed decoder guarantees for requests off the wire, checked for
+            # the ones handed over in-process, which nothing decoded.
+            check_request(request)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
         if request.request_id in self._requests:
             return f"a request with id {request.request_id!r} is already in flight"
         if request.sampling_params is None:

@@ -6,11 +6,17 @@ typed, can only drop the message, so the caller would wait forever. The clients 
 :func:`check_request` first, and a mistake becomes a ``TypeError`` or ``ValueError``
 naming the field, raised before anything is registered or sent.
 
-The check is shallow where depth is already guaranteed: :class:`SamplingParams`
-validates its own fields when it is built (and again when an engine decodes it), so
-only its type is checked here. Values the client cannot judge (a token id beyond the
-model's vocabulary, a prompt longer than the engine allows) are the engine's to reject;
-a stream then raises :class:`~trio_enginecore.errors.RequestFailedError`.
+:class:`SamplingParams`, :class:`PoolingParams` and :class:`LoRARequest` check their
+fields when they are built, but a field can be set afterwards, so they are checked
+again here,
+field by field (:mod:`trio_enginecore._field_checks`) and, for sampling, value by
+value. Values the client cannot judge (a token id beyond the model's vocabulary, a
+prompt longer than the engine allows) are the engine's to reject; a stream then raises
+:class:`~trio_enginecore.errors.RequestFailedError`.
+
+The reference engine runs the same check on every request it is given, so an engine
+in the caller's process, which decodes nothing, rejects a bad request as that
+request's error too.
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ from typing import Annotated, Final
 
 import msgspec
 
-from ..protocol import EngineCoreRequest, LoRARequest, PoolingParams, SamplingParams, Tensor
+from .protocol import (
+    EngineCoreRequest,
+    LoRARequest,
+    PoolingParams,
+    SamplingParams,
+    Tensor,
+    field_check,
+)
 
 __all__ = ["check_request", "check_requests"]
 
@@ -81,6 +94,8 @@ def check_request(request: object) -> None:
         raise ValueError(
             "EngineCoreRequest needs sampling_params (generation) or pooling_params (pooling)"
         )
+    if sampling is not None:
+        sampling.check()
     arrival = request.arrival_time
     if type(arrival) is not float and type(arrival) is not int:
         raise TypeError(
@@ -104,6 +119,10 @@ def check_request(request: object) -> None:
                 raise TypeError(
                     f"EngineCoreRequest.{name} must be {what} or None, got {_kind(value)}"
                 )
+        if request.pooling_params is not None:
+            field_check(PoolingParams).check(request.pooling_params)
+        if request.lora_request is not None:
+            field_check(LoRARequest).check(request.lora_request)
     flags: tuple[object, object] = (request.resumable, request.abort_immediately)
     if type(flags[0]) is not bool or type(flags[1]) is not bool:
         for name in _FLAGS:

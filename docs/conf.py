@@ -80,6 +80,7 @@ nitpick_ignore = [
     # Internal halves named by constructor signatures users never call: a stream is
     # made by client.stream(), a client by the openers.
     ("py:class", "trio_enginecore.client._stream.StreamFeed"),
+    ("py:class", "trio_enginecore.client._sync_stream.Portal"),
     ("py:class", "trio_enginecore.client._router.DataParallelRole"),
     # The client's inner parts, named by ClientLink's fields: described in the
     # architecture guide, not API users build on.

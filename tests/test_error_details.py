@@ -19,6 +19,8 @@ from trio_enginecore import (
     EngineConfig,
     EngineCoreRequest,
     EngineDeadError,
+    InprocClient,
+    SyncMPClient,
     UtilityCallError,
     open_engine_client,
 )
@@ -138,3 +140,23 @@ async def test_a_utility_failure_says_failed_once() -> None:
     assert str(error).count("failed") == 1, str(error)
     assert str(error).startswith("utility call 'sleep' failed on the engine: ")
     assert error.engine_message.startswith("Call to sleep method failed: ")  # verbatim
+
+
+@pytest.mark.parametrize("kind", [InprocClient, SyncMPClient])
+def test_a_closed_blocking_client_raises_the_librarys_error_not_trios(
+    kind: type[InprocClient | SyncMPClient],
+) -> None:
+    client = kind(EngineConfig())
+    client.close()
+    calls = [
+        lambda: client.add_request(EngineCoreRequest.for_tokens([1])),
+        client.get_output,
+        lambda: client.abort_requests(["a"]),
+        lambda: client.call_utility("is_sleeping"),
+        client.is_sleeping,
+    ]
+    for call in calls:
+        with pytest.raises(EngineDeadError, match="the engine client was closed") as raised:
+            call()
+        assert (raised.value.rank, raised.value.retryable) == (None, False)
+    client.close()  # idempotent

@@ -11,6 +11,7 @@ from trio_enginecore import (
     EngineConfig,
     EngineCoreClient,
     EngineCoreRequest,
+    EngineDeadError,
     InprocClient,
     SyncMPClient,
     TrioInprocClient,
@@ -223,5 +224,5 @@ def test_make_client_defaults_to_a_working_sync_mp_client() -> None:
         assert client.get_supported_tasks() == ("generate",)
         assert client.statistics().requests_in_flight == 0
     assert children_of_this_process() == before
-    with pytest.raises(trio.ClosedResourceError):
+    with pytest.raises(EngineDeadError, match="the engine client was closed"):
         client.get_output()

@@ -1,5 +1,7 @@
 """The blocking clients: SyncMPClient against real engine processes, and InprocClient.
 
+(SyncMPClient's per-request streams are in test_sync_stream.py.)
+
 The tests are plain functions using threads and subprocesses, as blocking callers do.
 Every wait is bounded (thread joins, subprocess timeouts, ``pytest.mark.timeout``), and
 the engine processes are checked to be gone through /proc.
@@ -15,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -63,7 +66,7 @@ def client_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
 
 
-def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
@@ -97,19 +100,16 @@ PER_THREAD = 25
 MAX_TOKENS = 20
 
 
-def test_sync_mp_client_used_from_8_threads_delivers_every_token_exactly_once() -> None:
+def test_sync_mp_client_takes_requests_from_8_threads_and_one_reader_gets_every_token() -> None:
+    # The batch API from many threads: they all send, one thread reads (a second
+    # reader would be refused: see test_sync_stream.py, which also has threads each
+    # streaming their own requests).
     prompts = {
         f"t{t}-r{r}": [t + 1, 1000 * t + 10 * r + 5]
         for t in range(THREADS)
         for r in range(PER_THREAD)
     }
-    lock = threading.Lock()
-    chunks: dict[str, list[list[int]]] = {rid: [] for rid in prompts}
-    finished: dict[str, int] = {}
-    messages_per_thread = [0] * THREADS
-    ended: list[str] = []
     errors: list[BaseException] = []
-    all_finished = threading.Event()
     all_added = threading.Barrier(THREADS + 1, timeout=20)
 
     client = SyncMPClient(EngineConfig())
@@ -126,51 +126,20 @@ def test_sync_mp_client_used_from_8_threads_delivers_every_token_exactly_once() 
                             prompts[rid], request_id=rid, max_tokens=MAX_TOKENS
                         )
                     )
-                all_added.wait()
-                while True:
-                    try:
-                        message = client.get_output()
-                    except trio.ClosedResourceError:
-                        with lock:
-                            ended.append(f"closed-{index}")
-                        return
-                    with lock:
-                        messages_per_thread[index] += 1
-                        for output in message.outputs:
-                            chunks[output.request_id].append(list(output.new_token_ids))
-                            if output.finish_reason is not None:
-                                finished[output.request_id] = finished.get(output.request_id, 0) + 1
-                        if len(finished) == len(prompts):
-                            all_finished.set()
             except BaseException as exc:
-                with lock:
-                    errors.append(exc)
-                all_finished.set()
+                errors.append(exc)
+            all_added.wait()
 
-        threads = [start_thread(lambda i=i: worker(i), f"worker-{i}") for i in range(THREADS)]
+        threads = [start_thread(partial(worker, i), f"worker-{i}") for i in range(THREADS)]
         all_added.wait()
-        assert all_finished.wait(30), f"{len(finished)} of {len(prompts)} requests finished"
+        join_all(threads, 10)
         assert errors == []
+        tokens = drain(client, set(prompts))
         assert client.statistics().requests_in_flight == 0
     finally:
         client.close()
-    join_all(threads, 10)
-    assert errors == []
-    assert sorted(ended) == sorted(f"closed-{i}" for i in range(THREADS))
-    assert finished == dict.fromkeys(prompts, 1)
     for rid, prompt in prompts.items():
-        tokens = [token for chunk in chunks[rid] for token in chunk]
-        want = expected(prompt, MAX_TOKENS)
-        # Chunks of one request may be taken by different threads, so their arrival
-        # order across threads is not observable; the counter's tokens increase
-        # strictly, so "each exactly once" is: no duplicates, and the same set.
-        assert len(tokens) == len(set(tokens)), rid
-        assert sorted(tokens) == want, rid
-        # Each chunk is a contiguous, ordered slice of the expected sequence.
-        for chunk in chunks[rid]:
-            start = want.index(chunk[0]) if chunk else 0
-            assert chunk == want[start : start + len(chunk)], rid
-    assert sum(messages_per_thread) > 0
+        assert tokens[rid] == expected(prompt, MAX_TOKENS), rid
     assert wait_until_gone(engine_pid)
     assert client_threads() == []
 
@@ -269,7 +238,7 @@ def test_sigint_while_the_constructor_waits_for_the_engine_does_not_hang() -> No
 # ---------------------------------------------------------------- close & errors
 
 
-def test_calls_after_close_raise_closed_resource_error_and_close_is_idempotent() -> None:
+def test_calls_after_close_raise_engine_dead_error_and_close_is_idempotent() -> None:
     with SyncMPClient(EngineConfig()) as client:
         assert client_threads() != []
         engine_pid = client.engine_pids[0]
@@ -286,16 +255,69 @@ def test_calls_after_close_raise_closed_resource_error_and_close_is_idempotent()
         lambda: client.call_utility("is_sleeping"),
         client.is_sleeping,
         client.list_loras,
+        lambda: client.stream(EngineCoreRequest.for_tokens([1])).__enter__(),
     ]
     for call in calls:
-        with pytest.raises(trio.ClosedResourceError):
+        # The library's error, as the Trio client's streams and calls get it when
+        # it closes; not trio.ClosedResourceError.
+        with pytest.raises(EngineDeadError, match=r"^the engine client was closed$") as info:
             call()
+        assert type(info.value) is EngineDeadError
+    assert client.is_dead is False
     client.close()
     client.shutdown()
     with client:
         pass
-    with pytest.raises(trio.ClosedResourceError):
+    with pytest.raises(EngineDeadError, match="the engine client was closed"):
         client.get_output()
+
+
+def test_a_get_output_blocked_while_another_thread_closes_raises_engine_dead_error() -> None:
+    client = SyncMPClient(EngineConfig())
+    outcome: list[object] = []
+
+    def reader() -> None:
+        try:
+            outcome.append(client.get_output())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = start_thread(reader, "reader")
+    time.sleep(0.3)  # it waits: nothing was sent
+    closer = start_thread(client.close, "closer")
+    join_all([thread, closer], 10)
+    (error,) = outcome
+    assert type(error) is EngineDeadError, repr(error)
+    assert str(error) == "the engine client was closed"
+
+
+def test_a_call_running_in_the_loop_when_it_ends_raises_engine_dead_error() -> None:
+    # A call still running in the event loop when the loop ends is cancelled there:
+    # its thread gets the library's error, not trio.Cancelled.
+    client = SyncMPClient(EngineConfig())
+    started = threading.Event()
+
+    async def never_answered(method: str, *args: object) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    trio_client = client._trio_client  # pyright: ignore[reportPrivateUsage]
+    trio_client.call_utility = never_answered  # type: ignore[method-assign]
+    outcome: list[object] = []
+
+    def caller() -> None:
+        try:
+            outcome.append(client.call_utility("anything"))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = start_thread(caller, "caller")
+    assert started.wait(10)
+    client.close()
+    join_all([thread], 10)
+    (error,) = outcome
+    assert type(error) is EngineDeadError, repr(error)
+    assert str(error) == "the engine client was closed"
 
 
 def test_utility_failures_raise_in_the_calling_thread_and_wrappers_are_typed() -> None:
@@ -361,7 +383,7 @@ def test_utility_failures_raise_in_the_calling_thread_and_wrappers_are_typed() -
             return ["yes"]
 
         trio_client = client._trio_client  # pyright: ignore[reportPrivateUsage]
-        trio_client._call_engines = answer_yes  # type: ignore[method-assign]  # pyright: ignore[reportPrivateUsage]
+        trio_client._call_engines = answer_yes  # type: ignore[method-assign,assignment]  # pyright: ignore[reportPrivateUsage]
         with pytest.raises(ProtocolError, match="is_sleeping"):
             client.is_sleeping()
 
@@ -408,8 +430,35 @@ def test_kill_9_fails_a_blocked_get_output_and_every_later_call() -> None:
         client.close()  # does not raise, although the engine died
     assert not is_running(engine_pid)
     assert client_threads() == []
-    with pytest.raises(trio.ClosedResourceError):
+    # After the close too, the death is what calls raise (as the Trio client's).
+    with pytest.raises(EngineDeadError, match="killed by signal 9"):
         client.get_output()
+
+
+def test_with_cancel_on_failure_calls_after_a_death_raise_engine_dead_error() -> None:
+    # cancel_on_failure=True ends the client's event loop when the engine dies: later
+    # calls find no loop, and must still say the engine died.
+    client = SyncMPClient(EngineConfig(), cancel_on_failure=True)
+    try:
+        engine_pid = client.engine_pids[0]
+        assert engine_pid is not None
+        os.kill(engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while client_threads():
+            assert time.monotonic() < deadline, "the event loop did not end"
+            time.sleep(0.02)
+        calls: list[Callable[[], object]] = [
+            client.get_output,
+            lambda: client.add_request(EngineCoreRequest.for_tokens([1], request_id="x")),
+            client.is_sleeping,
+            lambda: client.stream(EngineCoreRequest.for_tokens([1])).__enter__(),
+        ]
+        for call in calls:
+            with pytest.raises(EngineDeadError, match="killed by signal 9") as info:
+                call()
+            assert type(info.value) is EngineDeadError
+    finally:
+        client.close()
 
 
 def test_a_startup_failure_raises_from_the_constructor_and_leaves_no_thread() -> None:

@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 
-from trio_enginecore import EngineConfig, EngineCoreRequest, EngineDeadError
+from trio_enginecore import (
+    EngineConfig,
+    EngineCoreRequest,
+    EngineDeadError,
+    RequestFailedError,
+    SyncMPClient,
+)
 from trio_enginecore.engine import CounterModel
 
 PROGRAM = Path(__file__).resolve().parents[1] / "docs" / "tutorials" / "from_asyncio.py"
@@ -39,10 +45,20 @@ def load_tutorial() -> ModuleType:
 tutorial = load_tutorial()
 
 
-def run_with_engine(test: Callable[[Any], Awaitable[None]]) -> None:
+def run_with_engine(
+    test: Callable[[Any], Awaitable[None]], *, max_streams: int | None = None
+) -> None:
     async def main() -> None:
-        async with tutorial.open_asyncio_client(CONFIG) as engine:
+        if max_streams is None:
+            async with tutorial.open_asyncio_client(CONFIG) as engine:
+                await test(engine)
+            return
+        client = await asyncio.to_thread(SyncMPClient, CONFIG)
+        engine = tutorial.AsyncioEngineClient(client, max_streams=max_streams)
+        try:
             await test(engine)
+        finally:
+            await asyncio.to_thread(engine.close)
 
     asyncio.run(main())
 
@@ -90,10 +106,8 @@ def test_cancelling_at_any_point_of_a_stream_leaves_nothing_running(second_cance
                 async for _ in outputs:
                     pass
 
-        # Cancel after 0 to 7 trips through the event loop: before the add was handed
-        # to the call thread, while the thread runs it, once outputs flow. (An abort
-        # sent with asyncio.to_thread instead leaks a few requests in a hundred: it
-        # can overtake the add it is meant to undo.)
+        # Cancel after 0 to 7 trips through the event loop: before the entry was
+        # handed to the call thread, while the thread runs it, once outputs flow.
         for trial in range(100):
             task = asyncio.create_task(consume())
             for _ in range(trial % 8):
@@ -117,6 +131,31 @@ def test_a_timeout_aborts_the_request() -> None:
         await assert_nothing_left(engine)
 
     run_with_engine(test)
+
+
+def test_many_concurrent_streams_and_a_rejected_one() -> None:
+    # More streams at once than reader threads: each gets exactly its tokens (the
+    # outputs of a stream nobody reads meanwhile are merged, never lost); a rejected
+    # request raises RequestFailedError from its own stream only.
+    async def test(engine: Any) -> None:
+        async def rejected() -> None:
+            request = EngineCoreRequest.for_tokens([], request_id="bad", max_tokens=3)
+            with pytest.raises(RequestFailedError, match="at least one token"):
+                await tutorial.generate(engine, request)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = {
+                n: group.create_task(
+                    tutorial.generate(engine, EngineCoreRequest.for_tokens([n], max_tokens=12))
+                )
+                for n in range(1, 25)
+            }
+            group.create_task(rejected())
+        for n, task in tasks.items():
+            assert task.result() == CounterModel.expected_tokens([n], 12), n
+        await assert_nothing_left(engine)
+
+    run_with_engine(test, max_streams=4)  # fewer reader threads than streams
 
 
 def test_an_engine_death_fails_the_open_streams() -> None:

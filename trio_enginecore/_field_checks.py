@@ -36,6 +36,7 @@ _INT_MAX: Final = 2**64 - 1
 # new ones only costs a re-plan per call.
 _MAX_PLANS: Final = 256
 _NONE_TYPE: Final = type(None)
+_astuple: Final = msgspec.structs.astuple
 _CONTAINERS: Final = frozenset({list, set, frozenset, tuple, dict})
 
 
@@ -129,6 +130,9 @@ def _all_items(values: Iterable[object], item: _Rule) -> bool:
             return False
         numbers: Any = values
         return _in_range(min(numbers)) and _in_range(max(numbers))
+    if not item.deep and not item.ints and not item.anything:
+        # Items judged by their type alone (strs, bools): one C-level pass too.
+        return set(map(type, values)) <= item.plain
     return all(map(item.check, values))
 
 
@@ -288,14 +292,14 @@ class FieldCheck:
 
     def problem(self, obj: msgspec.Struct) -> TypeError | ValueError | None:
         """The error naming the first bad field of ``obj``, or ``None``."""
-        values = msgspec.structs.astuple(obj)
-        shape = tuple(map(type, values))
-        plan = self._plans.get(shape)
+        values = _astuple(obj)
+        plan = self._plans.get(tuple(map(type, values)))
         if plan is None:
             return self._first_problem(values)
-        if plan.ints is not None:
-            ints: tuple[int, ...] = plan.ints(values)
-            if min(ints) < _INT_MIN or max(ints) > _INT_MAX:
+        ints = plan.ints
+        if ints is not None:
+            numbers: tuple[int, ...] = ints(values)
+            if min(numbers) < _INT_MIN or max(numbers) > _INT_MAX:
                 return self._first_problem(values)
         for index, check in plan.containers:
             container = values[index]

@@ -542,6 +542,32 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         self._validate()
 
     def _validate(self) -> None:
+        max_tokens = self.max_tokens
+        if (
+            # The common case in one expression; the checks below name the culprit.
+            self.n >= 1
+            and -2.0 <= self.presence_penalty <= 2.0
+            and -2.0 <= self.frequency_penalty <= 2.0
+            and 0.0 < self.repetition_penalty < math.inf
+            and 0.0 <= self.temperature <= 2.0
+            and 0.0 < self.top_p <= 1.0
+            and self.top_k >= -1
+            and 0.0 <= self.min_p <= 1.0
+            and 0 <= self.min_tokens <= (max_tokens if max_tokens is not None else math.inf)
+            and (max_tokens is None or max_tokens >= 1)
+            and (self.stream_interval is None or self.stream_interval >= 1)
+            and (self.logprobs is None or self.logprobs >= -1)
+            and (self.prompt_logprobs is None or self.prompt_logprobs >= -1)
+        ):
+            stop: object = self.stop
+            if type(stop) is list:
+                if not stop and not self.bad_words:
+                    return
+                if all(stop) and (self.detokenize or not stop) and all(self.bad_words or ()):
+                    return
+        self._find_invalid()
+
+    def _find_invalid(self) -> None:
         def bad(what: str) -> ValueError:
             return ValueError(f"SamplingParams: {what}")
 

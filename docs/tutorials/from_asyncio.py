@@ -1,21 +1,12 @@
-"""From an asyncio application: the blocking client on two threads, streams on top."""
+"""From an asyncio application: the blocking client's streams, on threads."""
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self, TypeVar
 
-import trio
-
-from trio_enginecore import (
-    EngineConfig,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    EngineDeadError,
-    SyncMPClient,
-)
+from trio_enginecore import EngineConfig, EngineCoreOutput, EngineCoreRequest, SyncMPClient
 from trio_enginecore.engine import CounterModel
 
 T = TypeVar("T")
@@ -26,94 +17,63 @@ CONFIG = EngineConfig(model="counter", step_time_s=0.01)
 class OutputStream:
     """One request's outputs, for ``async for``; ends after the finished one."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[EngineCoreOutput | EngineDeadError] = asyncio.Queue()
-        self.finished = False
+    def __init__(self, outputs: Iterator[EngineCoreOutput], reads: ThreadPoolExecutor) -> None:
+        self._outputs = outputs
+        self._reads = reads
 
     def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> EngineCoreOutput:
-        if self.finished:
+        # One blocking step of the client's stream, on a reader thread: None at the end.
+        loop = asyncio.get_running_loop()
+        output = await loop.run_in_executor(self._reads, next, self._outputs, None)
+        if output is None:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, EngineDeadError):
-            raise item
-        self.finished = item.finished
-        return item
+        return output
 
 
 class AsyncioEngineClient:
     """A SyncMPClient for asyncio code.
 
     Blocking calls run on one call thread, one at a time and in the order they were
-    made. One reader thread receives every output message and hands each output to
-    its request's stream, on the event loop.
+    made: sending a stream's request, leaving it, the utilities. A stream waiting for
+    its next output waits on a reader thread.
     """
 
-    def __init__(self, client: SyncMPClient) -> None:
+    def __init__(self, client: SyncMPClient, max_streams: int = 64) -> None:
         self.client = client
         self._loop = asyncio.get_running_loop()
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-calls")
-        self._streams: dict[str, OutputStream] = {}
-        self._reader = threading.Thread(
-            target=self._read_outputs, name="engine-outputs", daemon=True
-        )
-        self._reader.start()
+        self._reads = ThreadPoolExecutor(max_streams, thread_name_prefix="engine-reads")
 
     async def call(self, method: Callable[..., T], *args: Any) -> T:
         """Run a blocking method of the client on the call thread."""
         return await self._loop.run_in_executor(self._calls, method, *args)
 
     @contextlib.asynccontextmanager
-    async def stream(self, request: EngineCoreRequest) -> AsyncIterator[OutputStream]:
+    async def stream(self, request: EngineCoreRequest) -> AsyncGenerator[OutputStream, None]:
         """Send the request; leaving the block before it finished aborts it."""
-        request_id = request.request_id
-        if request_id in self._streams:
-            raise ValueError(f"request {request_id!r} is already in flight")
-        stream = self._streams[request_id] = OutputStream()
+        outputs = self.client.stream(request)
         try:
-            await self.call(self.client.add_request, request)
-            yield stream
+            await self.call(outputs.__enter__)
+            yield OutputStream(outputs, self._reads)
         finally:
-            del self._streams[request_id]
-            if not stream.finished:
-                # Cancelled or left early. The abort queues behind the add on the call
-                # thread, so it comes after it even if the add is still running; the
-                # shield keeps a second cancellation from dropping it.
-                await asyncio.shield(self.call(self.client.abort_requests, [request_id]))
-
-    def _read_outputs(self) -> None:
-        """The reader thread: each output message, handed to the event loop."""
-        while True:
-            try:
-                message = self.client.get_output()
-            except EngineDeadError as exc:
-                self._loop.call_soon_threadsafe(self._fail, str(exc))
-                return
-            except trio.ClosedResourceError:
-                return  # close() was called
-            self._loop.call_soon_threadsafe(self._deliver, message.outputs)
-
-    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:  # None: its stream was left, the request aborted
-                stream.queue.put_nowait(output)
-
-    def _fail(self, reason: str) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(reason))
+            # Leaving the client's stream aborts the request if it has not finished.
+            # It queues behind the entry on the call thread, so it comes after it even
+            # if the entry is still running; the shield keeps a second cancellation
+            # from dropping it.
+            await asyncio.shield(self.call(outputs.__exit__, None, None, None))
 
     def close(self) -> None:
-        """Run the calls already made, stop the engine, end both threads (blocking)."""
+        """Run the calls already made, stop the engine, end the threads (blocking)."""
         self._calls.shutdown(wait=True)
-        self.client.close()
-        self._reader.join()
+        self.client.close()  # a read still waiting raises EngineDeadError, and ends
+        self._reads.shutdown(wait=True)
 
 
 @contextlib.asynccontextmanager
-async def open_asyncio_client(config: EngineConfig) -> AsyncIterator[AsyncioEngineClient]:
+async def open_asyncio_client(config: EngineConfig) -> AsyncGenerator[AsyncioEngineClient, None]:
     # Starting the engine takes a moment, and closing it too: both in a thread.
     engine = AsyncioEngineClient(await asyncio.to_thread(SyncMPClient, config))
     try:

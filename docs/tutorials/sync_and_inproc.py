@@ -33,25 +33,30 @@ def sync_client_from_threads() -> None:
     print("1. SyncMPClient, called from plain threads")
     with SyncMPClient(CONFIG) as client:
         print(f"   engine pid {client.engine_pids[0]}")
+        results: dict[str, list[int]] = {}
 
-        def submit(thread_number: int) -> None:
-            prompt = [100 * thread_number]
-            client.add_request(
-                EngineCoreRequest.for_tokens(
-                    prompt, request_id=f"thread-{thread_number}", max_tokens=4
-                )
+        def generate(thread_number: int) -> None:
+            request = EngineCoreRequest.for_tokens(
+                [100 * thread_number], request_id=f"thread-{thread_number}", max_tokens=4
             )
+            token_ids: list[int] = []
+            # Each thread streams its own request: its outputs, and only its.
+            with client.stream(request) as outputs:
+                for output in outputs:
+                    token_ids.extend(output.new_token_ids)
+            results[request.request_id] = token_ids
 
-        threads = [threading.Thread(target=submit, args=(n,)) for n in (1, 2, 3)]
+        threads = [threading.Thread(target=generate, args=(n,)) for n in (1, 2, 3)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-
-        # One reader: each message goes to exactly one get_output() caller.
-        results = collect(client, {"thread-1", "thread-2", "thread-3"})
         for request_id, tokens in sorted(results.items()):
             print(f"   {request_id}: {tokens}")
+
+        # vLLM's batch API too: add_request, and one thread reading get_output().
+        client.add_request(EngineCoreRequest.for_tokens([41], request_id="batch", max_tokens=3))
+        print(f"   batch: {collect(client, {'batch'})['batch']}")
         print(f"   engine counts (waiting, running): {client.get_request_counts()}")
 
 

@@ -53,7 +53,11 @@ from ._remote import (
 from ._restart import Restart as Restart
 from ._running import run_client as run_client
 from ._stream import RequestStream as RequestStream
-from ._sync import EngineCoreClient as EngineCoreClient, SyncMPClient as SyncMPClient
+from ._sync import (
+    EngineCoreClient as EngineCoreClient,
+    SyncMPClient as SyncMPClient,
+    SyncRequestStream as SyncRequestStream,
+)
 from ._transport import ClientLink as ClientLink, Transport as Transport
 from ._zmq_transport import ZmqTransport as ZmqTransport
 

@@ -192,7 +192,9 @@ class InprocClient(EngineCoreClient):
         if self._failure is not None:
             raise EngineDeadError(self._failure, rank=self.config.data_parallel_rank)
         if self._closed:
-            raise trio.ClosedResourceError("the engine client is closed")
+            # What every blocking client raises once closed (no Trio exception
+            # reaches code that does not run under Trio).
+            raise EngineDeadError("the engine client was closed")
 
     def _step(self) -> None:
         try:

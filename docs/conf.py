@@ -81,6 +81,8 @@ nitpick_ignore = [
     # made by client.stream(), a client by the openers.
     ("py:class", "trio_enginecore.client._stream.StreamFeed"),
     ("py:class", "trio_enginecore.client._sync_stream.Portal"),
+    ("py:class", "trio_enginecore.client._policy.Fail"),
+    ("py:class", "trio_enginecore.client._policy.RouteAround"),
     ("py:class", "trio_enginecore.client._router.DataParallelRole"),
     # The client's inner parts, named by ClientLink's fields: described in the
     # architecture guide, not API users build on.

@@ -21,6 +21,16 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return CounterModel.expected_tokens(prompt, n)
 
 
+def with_changed_sampling(request: EngineCoreRequest, **changes: Any) -> EngineCoreRequest:
+    """``request``, its sampling parameters changed after they were built (as a
+    program that mutates them does: nothing checks an attribute assignment)."""
+    params = request.sampling_params
+    assert params is not None
+    for name, value in changes.items():
+        setattr(params, name, value)
+    return request
+
+
 async def streamed_tokens(stream: RequestStream) -> list[int]:
     """Every token of a stream, to its end."""
     tokens: list[int] = []

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from trio_enginecore.client._engines import EngineHandle
+from trio_enginecore.client._policy import Fail, RouteAround
 from trio_enginecore.client._state import MAX_TOMBSTONES, ClientState
 from trio_enginecore.client._stream import StreamFeed, open_request_stream
 from trio_enginecore.errors import EngineDeadError, ProtocolError
@@ -40,7 +41,8 @@ class Aborts:
 def make_state(engines: int = 1, *, route_around: bool = False) -> tuple[ClientState, Aborts]:
     aborts = Aborts()
     handles = [EngineHandle.for_rank(rank) for rank in range(engines)]
-    state = ClientState(handles, aborts, max_pending_outputs=4, route_around=route_around)
+    policy = RouteAround() if route_around else Fail()
+    state = ClientState(handles, aborts, max_pending_outputs=4, policy=policy)
     return state, aborts
 
 

@@ -43,7 +43,7 @@ from trio_enginecore.protocol import LoRARequest, SamplingKeywords
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
 from .enginepeer import serve_command
-from .support import children_of_this_process, open_fds, stop_process
+from .support import children_of_this_process, open_fds, stop_process, with_changed_sampling
 
 KINDS = [
     "trio-launched",
@@ -392,11 +392,7 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
 
 def _with_sampling(request_id: str, **changes: Any) -> EngineCoreRequest:
     request = EngineCoreRequest.for_tokens([3, 4], request_id=request_id, max_tokens=4)
-    params = request.sampling_params
-    assert params is not None
-    for name, value in changes.items():
-        setattr(params, name, value)
-    return request
+    return with_changed_sampling(request, **changes)
 
 
 def test_the_bad_sampling_table_covers_every_keyword_a_user_sets() -> None:

@@ -21,7 +21,6 @@ from trio_enginecore._zmq import make_socket
 from trio_enginecore.coordinator import (
     CoordinatorAddresses,
     CoordinatorState,
-    run_coordinator,
     serve_coordinator,
 )
 from trio_enginecore.protocol import EngineCoreOutputs, SchedulerStats
@@ -89,10 +88,6 @@ def test_the_group_cannot_be_scaled_below_one_engine() -> None:
     with pytest.raises(ValueError, match="at least one engine"):
         state.scale(0)
     assert (state.engines, state.counts, state.changed) == (2, [(0, 0, 0.0), (4, 5, 0.0)], False)
-
-
-def test_the_run_coordinator_name_is_still_the_serving_task() -> None:
-    assert run_coordinator is serve_coordinator
 
 
 async def test_the_coordinator_relays_counts_and_runs_waves_over_real_sockets() -> None:

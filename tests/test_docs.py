@@ -529,7 +529,8 @@ def _keywords_of(function: Any) -> set[str] | None:
     signature = inspect.signature(function)
     for parameter in signature.parameters.values():
         if parameter.kind is parameter.VAR_KEYWORD:
-            hints = typing.get_type_hints(function, include_extras=True)
+            annotated = function.__init__ if inspect.isclass(function) else function
+            hints = typing.get_type_hints(annotated, include_extras=True)
             hint = hints.get(parameter.name)
             if typing.get_origin(hint) is typing.Unpack:
                 (typed_dict,) = typing.get_args(hint)
@@ -546,13 +547,10 @@ def documented_callables() -> dict[str, set[str]]:
     from trio_enginecore import client, config, coordinator
     from trio_enginecore.client import ClientOptions
 
-    options = set(_options_defaults())
-    callables: dict[str, set[str]] = {
-        # These pass their keywords to the client's options (open_trio_mp_client).
-        "make_client": {"config", "multiprocess", "cancel_on_failure", *options},
-        "SyncMPClient": {"config", "cancel_on_failure", *options},
-    }
+    callables: dict[str, set[str]] = {}
     for name, function in {
+        "make_client": trio_enginecore.make_client,
+        "SyncMPClient": trio_enginecore.SyncMPClient,
         "open_engine_client": trio_enginecore.open_engine_client,
         "connect_engine_client": trio_enginecore.connect_engine_client,
         "open_ray_engine_client": client.open_ray_engine_client,

@@ -38,6 +38,8 @@ from trio_enginecore.protocol import (
     UtilityResult,
 )
 
+from .support import with_changed_sampling
+
 expected = CounterModel.expected_tokens
 
 # ------------------------------------------------------------------------ helpers
@@ -351,12 +353,7 @@ def test_length_limits_win_over_stop_tokens_and_eos() -> None:
 
 def _changed_sampling(**changes: Any) -> EngineCoreRequest:
     """A request whose sampling parameters were changed after they were built."""
-    request = req("bad")
-    params = request.sampling_params
-    assert params is not None
-    for name, value in changes.items():
-        setattr(params, name, value)
-    return request
+    return with_changed_sampling(req("bad"), **changes)
 
 
 def _lora_with_str_id() -> LoRARequest:

@@ -25,6 +25,7 @@ from trio_enginecore import (
     open_engine_client,
 )
 from trio_enginecore.client._engines import EngineHandle
+from trio_enginecore.client._policy import Fail, RouteAround
 from trio_enginecore.client._state import ClientState
 from trio_enginecore.client._stream import StreamFeed
 
@@ -37,7 +38,7 @@ def _state(engines: int, *, route_around: bool) -> ClientState:
     state = ClientState(
         [EngineHandle.for_rank(rank) for rank in range(engines)],
         lambda engine, ids: None,
-        route_around=route_around,
+        policy=RouteAround() if route_around else Fail(),
     )
     state.engines[1 % engines].location = "host-b"
     return state

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
+import typing
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
@@ -18,8 +22,11 @@ from trio_enginecore import (
     make_client,
     open_engine_client,
 )
-from trio_enginecore.client import ClientKind, select_client_kind
+from trio_enginecore.client import ClientKind, connect_engine_client, select_client_kind
+from trio_enginecore.client._options import ClientOptionKeywords
+from trio_enginecore.coordinator import CoordinatorAddresses
 from trio_enginecore.engine import CounterModel
+from trio_enginecore.errors import EngineStartupError
 
 from .support import children_of_this_process
 
@@ -226,3 +233,89 @@ def test_make_client_defaults_to_a_working_sync_mp_client() -> None:
     assert children_of_this_process() == before
     with pytest.raises(EngineDeadError, match="the engine client was closed"):
         client.get_output()
+
+
+@pytest.mark.parametrize("build", [make_client, SyncMPClient], ids=["make_client", "SyncMPClient"])
+def test_a_misspelt_option_fails_before_any_thread_or_engine_starts(
+    build: Callable[..., EngineCoreClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_thread(thread: threading.Thread) -> None:
+        raise AssertionError(f"a thread was started: {thread.name}")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    before = children_of_this_process()
+    with pytest.raises(TypeError, match="ready_timout_s"):
+        build(EngineConfig(), ready_timout_s=3)
+    with pytest.raises(ValueError, match="ready_timeout_s"):
+        build(EngineConfig(), ready_timeout_s=-1)
+    assert children_of_this_process() == before
+
+
+def test_the_blocking_faces_options_are_typed() -> None:
+    """``make_client(cfg, ready_timout_s=3)`` is a type checker's error, not a run's."""
+    for function in (make_client, SyncMPClient.__init__):
+        hints = typing.get_type_hints(function, include_extras=True)
+        assert hints["keywords"] == typing.Unpack[ClientOptionKeywords], function
+
+
+def test_the_in_process_blocking_client_takes_no_options() -> None:
+    with pytest.raises(TypeError, match="InprocClient takes no options"):
+        make_client(EngineConfig(), multiprocess=False, ready_timeout_s=3)
+    with pytest.raises(TypeError, match="InprocClient takes no options"):
+        make_client(EngineConfig(), multiprocess=False, cancel_on_failure=True)
+
+
+# The same configurations through both Trio openers: the same answer (one judge,
+# new_mp_client and plan_topology, behind both).
+EXTERNAL_LB = EngineConfig(
+    data_parallel_size=2, data_parallel_rank=1, data_parallel_external_lb=True
+)
+ATTACH = {"input_address": "tcp://127.0.0.1:0", "output_address": "tcp://127.0.0.1:0"}
+SAME_ANSWER: dict[str, tuple[EngineConfig, dict[str, Any], type[Exception], str]] = {
+    "external load balancing launching with no coordinator": (
+        EXTERNAL_LB,
+        {},
+        ValueError,
+        "shares one coordinator",
+    ),
+    "a coordinator for one engine": (
+        EngineConfig(),
+        {"coordinator": CoordinatorAddresses.in_directory("/tmp/never-used")},
+        ValueError,
+        "only used with data_parallel_size > 1",
+    ),
+    "a client index for launched engines": (
+        EngineConfig(),
+        {"client_index": 1},
+        ValueError,
+        "client_index=1 needs engines",
+    ),
+    "restart for attached engines": (
+        EngineConfig(),
+        {**ATTACH, "on_engine_failure": "restart"},
+        ValueError,
+        "restarts engines",
+    ),
+    # Attached engines announce their coordinator: accepted by both, and then no
+    # engine comes.
+    "external load balancing attached, no engine comes": (
+        EXTERNAL_LB,
+        {**ATTACH, "ready_timeout_s": 0.5},
+        EngineStartupError,
+        "ready",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SAME_ANSWER))
+async def test_both_trio_openers_give_the_same_answer(case: str) -> None:
+    config, options, error, message = SAME_ANSWER[case]
+    before = children_of_this_process()
+    with trio.fail_after(20):
+        with pytest.raises(error, match=message):
+            async with open_engine_client(config, **options):
+                pytest.fail("opened")
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(error, match=message):
+                await connect_engine_client(nursery, config, **options)
+    assert children_of_this_process() == before

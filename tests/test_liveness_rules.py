@@ -15,6 +15,7 @@ from trio_enginecore.client._liveness_rules import (
     ConnectionTable,
     ProgressClock,
 )
+from trio_enginecore.client._policy import Fail, Restart
 from trio_enginecore.client._state import ClientState
 
 A, B = b"\x00\x00", b"\x01\x00"
@@ -163,7 +164,8 @@ def test_time_in_a_callers_utility_does_not_count() -> None:
 
 def one_engine_state(*, restarts: bool = False) -> tuple[ClientState, EngineHandle]:
     engine = EngineHandle.for_rank(0)
-    return ClientState([engine], lambda engine, ids: None, restarts=restarts), engine
+    policy = Restart() if restarts else Fail()
+    return ClientState([engine], lambda engine, ids: None, policy=policy), engine
 
 
 def test_a_suspect_engine_stays_in_service_until_it_shows_life() -> None:

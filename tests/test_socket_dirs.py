@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from trio_enginecore import EngineConfig, open_engine_client
-from trio_enginecore.client._ipc_dirs import (
+from trio_enginecore._ipc_dirs import (
     OWNER_FILE,
     DirectoryOwner,
     private_ipc_dir,

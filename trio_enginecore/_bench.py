@@ -24,7 +24,7 @@ from typing import Any, Final, Literal, TextIO
 
 import trio
 
-from .client import TrioClientBase, open_engine_client
+from .client import TrioEngineClient, open_engine_client
 from .client._launch import serve_arguments
 from .config import EngineConfig
 from .protocol import EngineCoreRequest
@@ -130,7 +130,7 @@ class ProgressLine:
 
 
 async def measure_generate(
-    client: TrioClientBase,
+    client: TrioEngineClient,
     *,
     concurrency: int,
     tokens: int,
@@ -242,7 +242,7 @@ def generate_summary(
     }
 
 
-async def measure_utility_rtt(client: TrioClientBase, *, calls: int) -> dict[str, Any]:
+async def measure_utility_rtt(client: TrioEngineClient, *, calls: int) -> dict[str, Any]:
     """Sequential ``is_sleeping`` round trips: p50/p99 latency and client CPU per call."""
     samples: list[float] = []
     cpu0 = time.process_time()
@@ -264,7 +264,7 @@ def utility_summary(samples: list[float], cpu_s: float) -> dict[str, Any]:
     }
 
 
-async def measure_abort_latency(client: TrioClientBase, *, samples: int) -> dict[str, Any]:
+async def measure_abort_latency(client: TrioEngineClient, *, samples: int) -> dict[str, Any]:
     """Cancel a running stream; time until the engine reports the request gone.
 
     Each sample opens a stream on a long request, receives one output, cancels the
@@ -302,7 +302,7 @@ def rss_bytes() -> int:
     return pages * resource.getpagesize()
 
 
-async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[str, Any]:
+async def measure_idle_streams(client: TrioEngineClient, *, streams: int) -> dict[str, Any]:
     """Memory per open stream: ``streams`` streams waiting on a paused engine.
 
     The engine's scheduler is paused (``keep``) so no stream receives anything; each
@@ -333,7 +333,7 @@ async def measure_idle_streams(client: TrioClientBase, *, streams: int) -> dict[
 
 
 async def _idle_streams_growth(
-    client: TrioClientBase, streams: int, prefix: str, memory: Callable[[], int]
+    client: TrioEngineClient, streams: int, prefix: str, memory: Callable[[], int]
 ) -> int:
     """How much ``memory()`` grows while ``streams`` idle streams are open."""
     all_open = trio.Event()
@@ -425,14 +425,14 @@ async def run_cli_bench(
 
 def _engine_client(
     config: EngineConfig, transport: str
-) -> AbstractAsyncContextManager[TrioClientBase]:
+) -> AbstractAsyncContextManager[TrioEngineClient]:
     if transport == "ipc":
         return open_engine_client(config)
     return _tcp_engine_client(config)
 
 
 @asynccontextmanager
-async def _tcp_engine_client(config: EngineConfig) -> AsyncGenerator[TrioClientBase, None]:
+async def _tcp_engine_client(config: EngineConfig) -> AsyncGenerator[TrioEngineClient, None]:
     """An engine on loopback TCP, attached (the ipc default launches it itself)."""
     input_address = f"tcp://127.0.0.1:{_free_tcp_port()}"
     output_address = f"tcp://127.0.0.1:{_free_tcp_port()}"

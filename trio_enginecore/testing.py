@@ -52,7 +52,6 @@ from .protocol import (
 
 __all__ = [
     "FakeEngine",
-    "FakeEngineClient",
     "FakeTransport",
     "ScriptedResponse",
     "open_fake_engine_client",
@@ -369,11 +368,6 @@ class FakeTransport:
         for scope in self._plays.values():
             scope.cancel()
         await trio.lowlevel.checkpoint()
-
-
-FakeEngineClient = TrioEngineClient
-"""What :func:`open_fake_engine_client` yields: the library's one Trio client class,
-over a :class:`FakeTransport` (the name is kept for the annotations of tests)."""
 
 
 @asynccontextmanager

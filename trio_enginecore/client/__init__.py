@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-# The coordinator's names, re-exported here too for the programs that import them
-# from trio_enginecore.client, as they could before trio_enginecore.coordinator.
-from ..coordinator import (
-    CoordinatorAddresses as CoordinatorAddresses,
-    open_coordinator as open_coordinator,
-)
 from ._client import TrioEngineClient as TrioEngineClient
 from ._collector import BatchCollector as BatchCollector, merge_outputs as merge_outputs
 from ._engines import EngineHandle as EngineHandle
@@ -43,6 +37,7 @@ from ._mp import (
     connect_engine_client as connect_engine_client,
 )
 from ._options import ClientOptions as ClientOptions, FailurePolicy as FailurePolicy
+from ._policy import Restart as Restart
 from ._ray import open_ray_engine_client as open_ray_engine_client
 from ._ray_engines import PlacementStrategy as PlacementStrategy, RayEngines as RayEngines
 from ._remote import (
@@ -50,7 +45,6 @@ from ._remote import (
     RemoteEngines as RemoteEngines,
     RestartedEngine as RestartedEngine,
 )
-from ._restart import Restart as Restart
 from ._running import run_client as run_client
 from ._stream import RequestStream as RequestStream
 from ._sync import (
@@ -60,6 +54,3 @@ from ._sync import (
 )
 from ._transport import ClientLink as ClientLink, Transport as Transport
 from ._zmq_transport import ZmqTransport as ZmqTransport
-
-TrioClientBase = TrioEngineClient
-"""The former name of :class:`TrioEngineClient` (it was an abstract base class)."""

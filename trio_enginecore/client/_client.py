@@ -31,7 +31,7 @@ from ._engines import EngineHandle
 from ._interface import AsyncEngineCoreClient, ClientStatistics
 from ._lb import LoadBalancer
 from ._options import FailurePolicy
-from ._restart import RESTART_NEEDS_LAUNCHED_ENGINES, Restart
+from ._policy import RESTART_NEEDS_LAUNCHED_ENGINES, Policy, Restart, resolve_policy
 from ._router import DataParallelRole, Router, WaveFollower
 from ._state import ClientState
 from ._stream import RequestStream, StreamBlock, StreamFeed
@@ -82,23 +82,20 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         role: DataParallelRole | None = None,
         client_index: int = 0,
         max_pending_outputs: int = 64,
-        on_engine_failure: FailurePolicy = "fail",
+        on_engine_failure: FailurePolicy | Policy = "fail",
     ) -> None:
         self.config = config
         self.client_index = client_index
         role = role if role is not None else DataParallelRole.single(config)
         self.role = role
         self._transport = transport
-        restart = Restart() if on_engine_failure == "restart" else on_engine_failure
-        if isinstance(restart, Restart) and not transport.restarts_engines:
+        policy = resolve_policy(on_engine_failure)
+        # The one check of the policy against the transport.
+        if isinstance(policy, Restart) and not transport.restarts_engines:
             raise ValueError(RESTART_NEEDS_LAUNCHED_ENGINES)
-        self._restart = restart if isinstance(restart, Restart) else None
+        self._restart = policy if isinstance(policy, Restart) else None
         self._state = ClientState(
-            [],
-            transport.send_abort,
-            max_pending_outputs=max_pending_outputs,
-            route_around=on_engine_failure == "route_around",
-            restarts=self._restart is not None,
+            [], transport.send_abort, max_pending_outputs=max_pending_outputs, policy=policy
         )
         # Both share the state's engine list, which the transport fills in place.
         self._router = Router(self._state.engines, role.load_balancer)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import enum
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Literal, Unpack, overload
+from typing import Literal, Unpack, overload
 
 import attrs
 
 from ..config import EngineConfig
 from ._client import TrioEngineClient
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
-from ._mp import TrioMPClient, open_trio_mp_client
+from ._mp import TrioMPClient, new_mp_client
 from ._options import ClientOptionKeywords, ClientOptions, InprocOptionKeywords, options_from
+from ._running import run_client
 from ._sync import EngineCoreClient, SyncMPClient
-from ._topology import EXTERNAL_LB_NEEDS_COORDINATOR
 
 __all__ = ["ClientKind", "make_client", "open_engine_client", "select_client_kind"]
 
@@ -159,7 +159,8 @@ def open_engine_client(
             only a launched engine's exit is seen (default ``Liveness()``).
         coordinator: data parallel: the addresses of a coordinator shared with other
             clients (:func:`~trio_enginecore.open_coordinator`); required with
-            external load balancing, optional with internal (which otherwise runs
+            external load balancing when the client launches its rank (attached
+            engines announce theirs), optional with internal (which otherwise runs
             its own, as a task of the client) (default ``None``).
         load_balancer: internal load balancing: the policy choosing an engine per
             request; ``None`` is :class:`~trio_enginecore.client.LeastLoaded`
@@ -204,10 +205,11 @@ def open_engine_client(
             (see :func:`~trio_enginecore.client.select_client_kind`).
         ValueError: an option only multiprocess clients have (addresses, remote
             engines, a coordinator, a load balancer, timeouts, liveness, a failure
-            policy) with ``multiprocess=False``; external load balancing without
-            ``coordinator``; a timeout that is not a positive number; an
-            ``on_engine_failure`` that is not a policy, or ``"restart"`` for engines
-            started elsewhere that have no restarter.
+            policy) with ``multiprocess=False``; external load balancing launching
+            its engine with no ``coordinator`` (attached engines announce theirs);
+            a timeout that is not a positive number; an ``on_engine_failure`` that
+            is not a policy, or ``"restart"`` for engines started elsewhere that
+            have no restarter.
         TypeError: both ``options`` and keywords, or a keyword that is not an
             option.
     """
@@ -229,9 +231,10 @@ def open_engine_client(
             client_index=options.client_index,
             cancel_on_failure=cancel_on_failure,
         )
-    if kind is ClientKind.DP_TRIO_MP and options.coordinator is None:
-        raise ValueError(EXTERNAL_LB_NEEDS_COORDINATOR)
-    return open_trio_mp_client(config, options, cancel_on_failure=cancel_on_failure)
+    # Judged here, before anything starts, by what judges connect_engine_client's
+    # (new_mp_client, plan_topology): the two openers cannot disagree. The client
+    # holds nothing until it is started.
+    return run_client(new_mp_client(config, options), cancel_on_failure=cancel_on_failure)
 
 
 def _changed(options: ClientOptions) -> list[str]:
@@ -245,23 +248,31 @@ def _changed(options: ClientOptions) -> list[str]:
 
 
 def make_client(
-    config: EngineConfig | None = None, *, multiprocess: bool = True, **open_kwargs: Any
+    config: EngineConfig | None = None,
+    options: ClientOptions | None = None,
+    *,
+    multiprocess: bool = True,
+    cancel_on_failure: bool = False,
+    **keywords: Unpack[ClientOptionKeywords],
 ) -> EngineCoreClient:
     """Create a blocking engine client (vLLM's ``EngineCoreClient.make_client``).
 
     ``multiprocess=True`` gives a :class:`~trio_enginecore.SyncMPClient` (the engine in
-    its own process; ``open_kwargs`` as for :func:`open_engine_client`), ``False`` an
+    its own process; ``options`` or its fields as keywords, and ``cancel_on_failure``,
+    as for :func:`open_engine_client`), ``False`` an
     :class:`~trio_enginecore.InprocClient` (the engine steps inside ``get_output()``).
     Use the result as a context manager.
 
     Raises:
         NotImplementedError: as :func:`open_engine_client`.
-        TypeError: ``open_kwargs`` given for an in-process client.
+        TypeError: an option that does not exist, or options given for an in-process
+            client.
     """
     config = config if config is not None else EngineConfig()
     kind = select_client_kind(config, multiprocess=multiprocess, blocking=True)
     if kind is ClientKind.INPROC:
-        if open_kwargs:
-            raise TypeError(f"InprocClient takes no options, got {sorted(open_kwargs)}")
+        given = sorted(keywords) + (["options"] if options is not None else [])
+        if given or cancel_on_failure:
+            raise TypeError(f"InprocClient takes no options, got {given or 'cancel_on_failure'}")
         return InprocClient(config)
-    return SyncMPClient(config, **open_kwargs)
+    return SyncMPClient(config, options, cancel_on_failure=cancel_on_failure, **keywords)

@@ -24,7 +24,7 @@ from ..config import EngineConfig
 from ._client import TrioEngineClient
 from ._lb import LeastLoaded
 from ._options import ClientOptionKeywords, ClientOptions, options_from
-from ._restart import Restart
+from ._policy import Restart, resolve_policy
 from ._router import DataParallelRole
 from ._running import run_client
 from ._zmq_transport import ZmqTransport
@@ -63,8 +63,7 @@ class TrioMPClient(TrioEngineClient):
         options = options if options is not None else ClientOptions()
         role = _role if _role is not None else DataParallelRole.single(config)
         self.options = options
-        policy = options.on_engine_failure
-        restart = Restart() if policy == "restart" else policy
+        policy = resolve_policy(options.on_engine_failure)
         self.transport = ZmqTransport(
             config,
             role,
@@ -72,7 +71,7 @@ class TrioMPClient(TrioEngineClient):
             output_address=options.output_address,
             remote=options.remote,
             liveness=options.liveness,
-            restart=restart if isinstance(restart, Restart) else None,
+            restart=policy if isinstance(policy, Restart) else None,
             ready_timeout_s=options.ready_timeout_s,
             shutdown_timeout_s=options.shutdown_timeout_s,
         )
@@ -82,7 +81,7 @@ class TrioMPClient(TrioEngineClient):
             role=role,
             client_index=options.client_index,
             max_pending_outputs=options.max_pending_outputs,
-            on_engine_failure=options.on_engine_failure,
+            on_engine_failure=policy,
         )
 
     @property

@@ -16,8 +16,8 @@ from .._listeners import ListenerFd
 from ..coordinator import CoordinatorAddresses
 from ._lb import LoadBalancer
 from ._liveness_rules import DEFAULT_LIVENESS, Liveness
+from ._policy import Restart
 from ._remote import RemoteEngines
-from ._restart import Restart
 from ._settings_checks import positive_number
 
 __all__ = [

@@ -34,11 +34,14 @@ from ._calls import UtilityCalls
 from ._collector import BatchCollector
 from ._engines import DeathNotice, EngineHandle
 from ._interface import ClientStatistics
+from ._policy import Fail, Policy
 from ._stream import StreamFeed
 
 __all__ = ["MAX_TOMBSTONES", "ClientState"]
 
 logger = logging.getLogger("trio_enginecore.client")
+
+_FAIL: Final = Fail()
 
 MAX_TOMBSTONES: Final = 10_000
 """How many aborted request ids a client remembers (see ``abort_requests``). By the
@@ -71,12 +74,10 @@ class ClientState:
             are kept here.
         send_abort: delivers an ABORT of wire ids to one engine; never blocks.
         max_pending_outputs: messages kept for ``get_output()`` before merging.
-        route_around: an engine's death fails only what depends on that engine, and
-            the client only when no engine is left (the ``route_around`` and
-            ``restart`` policies); otherwise the first death fails the client
-            (``fail``).
-        restarts: a dead engine is being restarted (``restart``): it counts as one
-            left until :meth:`engine_given_up`.
+        policy: what an engine's death does (:mod:`._policy`): it fails the client
+            (``Fail``, the default), or only what depends on that engine while
+            others serve (``RouteAround``), or that and the engine is restarted
+            (``Restart``: it counts as in service until :meth:`engine_given_up`).
     """
 
     def __init__(
@@ -85,12 +86,10 @@ class ClientState:
         send_abort: SendAbort,
         *,
         max_pending_outputs: int = 64,
-        route_around: bool = False,
-        restarts: bool = False,
+        policy: Policy = _FAIL,
     ) -> None:
         self.engines = engines
-        self.route_around = route_around or restarts
-        self.restarts = restarts
+        self.policy = policy
         self.engine_returned = trio.Event()
         """Set (and replaced) whenever a restarted engine is back in service."""
         self._send_abort = send_abort
@@ -390,10 +389,17 @@ class ClientState:
         if self.closing:
             return False
         logger.error("%s died: %s", engine.describe(), reason)
-        if self.restarts:
+        verdict = self.policy.on_death(others_in_service=self._others_in_service(engine))
+        if verdict == "restart":
             engine.state = "restarting"
-        self._fail_engine(engine, f"{engine.describe()} died: {reason}")
+        self._fail_engine(
+            engine, f"{engine.describe()} died: {reason}", whole=verdict == "fail_client"
+        )
         return True
+
+    def _others_in_service(self, engine: EngineHandle) -> int:
+        """Engines other than ``engine`` in service or being restarted."""
+        return sum(1 for e in self.engines if e is not engine and (e.alive or e.restarting))
 
     def engine_suspect(self, engine: EngineHandle, reason: str) -> bool:
         """An engine in service may be gone or stuck (``reason`` says why): it stays in
@@ -442,7 +448,11 @@ class ClientState:
         engine.death = reason
         if not self.closing:
             logger.error("%s: %s", engine.describe(), reason)
-            self._fail_engine(engine, f"{engine.describe()}: {reason}")
+            self._fail_engine(
+                engine,
+                f"{engine.describe()}: {reason}",
+                whole=not self._others_in_service(engine),
+            )
         self.engine_returned.set()  # waiters for an engine look again, and raise
         self.engine_returned = trio.Event()
 
@@ -460,15 +470,17 @@ class ClientState:
         died; the engine stays in service."""
         if engine.alive and not self.closing:
             logger.error("%s lost this client's requests: %s", engine.describe(), reason)
-            self._fail_engine(engine, f"{engine.describe()} {reason}", in_service=True)
+            self._fail_engine(engine, f"{engine.describe()} {reason}", whole=False, in_service=True)
 
-    def _fail_engine(self, engine: EngineHandle, message: str, *, in_service: bool = False) -> None:
-        """Fail what depends on ``engine``, and the client if nothing is left."""
-        left = [e.rank for e in self.engines if e.alive or e.restarting]
-        # Requests lost by an engine in service fail alone, whatever the policy.
-        whole = not in_service and not (self.route_around and left)
+    def _fail_engine(
+        self, engine: EngineHandle, message: str, *, whole: bool, in_service: bool = False
+    ) -> None:
+        """Fail what depends on ``engine``, and the client too if ``whole`` (the
+        policy's verdict). Requests lost by an engine in service (``in_service``) fail
+        alone, whatever the policy."""
         if whole and self.failure is None:
-            self.failure = message if not self.route_around else f"no engine is left: {message}"
+            first = isinstance(self.policy, Fail)
+            self.failure = message if first else f"no engine is left: {message}"
             self.failure_notice = engine.death_notice(self.failure, retryable=False)
             self.ended.set()
         elif not whole and not in_service:

@@ -9,7 +9,7 @@ Two tasks of a multiprocess client, once every engine is ready:
   client's requests on it are failed instead of hanging; one from an engine being
   restarted completes that restart.
 * the **restarter** (the ``restart`` policy) starts a dead engine again: after the
-  back-off its :class:`~trio_enginecore.client._restart.RestartBudget` gives, the same
+  back-off its :class:`~trio_enginecore.client._policy.RestartBudget` gives, the same
   rank, the same handshake (the client keeps its handshake socket for this), then back
   into service; one engine at a time, since they share the handshake socket. How an
   engine is started again is a :class:`Relaunch`: a new process for an engine the
@@ -36,8 +36,8 @@ from ..protocol import EngineCoreReadyResponse
 from ..serial import Buffer, MsgpackDecoder
 from ._engines import EngineHandle
 from ._launch import close_lifeline
+from ._policy import Restart, RestartBudget
 from ._remote import EngineRestarter
-from ._restart import Restart, RestartBudget
 from ._router import Router
 from ._startup import StartupProgress, adopt_dialect
 from ._state import ClientState

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, Literal, Self, TypeVar, final
+from typing import Any, Literal, Self, TypeVar, Unpack, final
 
 import trio
 
@@ -34,6 +34,7 @@ from ..protocol import (
 )
 from ._interface import ClientStatistics
 from ._mp import TrioMPClient, open_trio_mp_client
+from ._options import ClientOptionKeywords, ClientOptions, options_from
 from ._sync_stream import Portal, Reader, SyncRequestStream
 from ._utilities import (
     UTILITIES,
@@ -271,11 +272,22 @@ class SyncMPClient(EngineCoreClient):
 
     Raises:
         EngineStartupError: from the constructor, as ``open_engine_client``.
+        TypeError, ValueError: an option that does not exist, or a bad value (before
+            any thread or engine is started).
     """
 
-    def __init__(self, config: EngineConfig | None = None, **open_kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        options: ClientOptions | None = None,
+        *,
+        cancel_on_failure: bool = False,
+        **keywords: Unpack[ClientOptionKeywords],
+    ) -> None:
         self.config = config if config is not None else EngineConfig()
-        self._open_kwargs = open_kwargs
+        # Checked here, in the caller's thread, before a thread or a loop exists.
+        self.options = options_from(options, keywords)
+        self._cancel_on_failure = cancel_on_failure
         self._portal = Portal()
         self._reader = Reader(
             self._portal,
@@ -329,7 +341,9 @@ class SyncMPClient(EngineCoreClient):
             portal.token = trio.lowlevel.current_trio_token()
             if portal.closed:  # closed (e.g. Ctrl-C) before the loop published its token
                 return
-            async with open_trio_mp_client(self.config, **self._open_kwargs) as client:
+            async with open_trio_mp_client(
+                self.config, self.options, cancel_on_failure=self._cancel_on_failure
+            ) as client:
                 portal.client = client
                 self._ready.set()
                 await self._stop.wait()

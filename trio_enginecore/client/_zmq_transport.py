@@ -37,6 +37,7 @@ from .._curve import (
     local_engine_keys,
     run_zap_handler,
 )
+from .._ipc_dirs import private_ipc_dir
 from .._listeners import ListenerFd, bind_all
 from .._zmq import TrioSocket, make_socket
 from ..config import EngineConfig
@@ -51,7 +52,6 @@ from ..protocol import (
 from ..serial import Buffer, MsgpackDecoder, MsgpackEncoder, request_for
 from ._engines import EngineHandle
 from ._following import CoordinatorFollower
-from ._ipc_dirs import private_ipc_dir
 from ._launch import launch_engine, stop_engines
 from ._liveness import (
     ConnectionWatch,
@@ -61,9 +61,9 @@ from ._liveness import (
     watch_process,
 )
 from ._liveness_rules import Liveness
+from ._policy import Restart
 from ._receive import receive_outputs
 from ._remote import RemoteEngines, connectable
-from ._restart import RESTART_NEEDS_LAUNCHED_ENGINES, Restart
 from ._router import DataParallelRole
 from ._startup import StartupProgress, group_hint, handshake_metadata
 from ._supervision import EngineSupervisor, ProcessRelaunch, RelaunchByRank, RemoteRelaunch
@@ -125,8 +125,6 @@ class ZmqTransport:
             remote=remote,
             liveness=liveness,
         )
-        if restart is not None and not self.restarts_engines:
-            raise ValueError(RESTART_NEEDS_LAUNCHED_ENGINES)
         self.coordinator: CoordinatorAddresses | None = role.coordinator
         self.refusals = CurveRefusals()
         # Made by start(): a client that is built and never started holds nothing.

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 from ._addresses import CoordinatorAddresses as CoordinatorAddresses
 from ._open import open_coordinator as open_coordinator
-from ._serve import run_coordinator as run_coordinator, serve_coordinator as serve_coordinator
+from ._serve import serve_coordinator as serve_coordinator
 from ._state import CoordinatorState as CoordinatorState, start_wave_frames as start_wave_frames
 
 __all__ = [
     "CoordinatorAddresses",
     "CoordinatorState",
     "open_coordinator",
-    "run_coordinator",
     "serve_coordinator",
     "start_wave_frames",
 ]

@@ -25,7 +25,7 @@ from ..serial import MsgpackDecoder
 from ._addresses import CoordinatorAddresses
 from ._state import CoordinatorState, start_wave_frames
 
-__all__ = ["run_coordinator", "serve_coordinator"]
+__all__ = ["serve_coordinator"]
 
 logger = logging.getLogger("trio_enginecore.coordinator")
 
@@ -160,7 +160,3 @@ async def serve_coordinator(
     finally:
         for sock in sockets:
             sock.close()
-
-
-run_coordinator = serve_coordinator
-""":func:`serve_coordinator` under its former name."""

@@ -1,21 +1,42 @@
-"""The ``restart`` failure policy: its settings, and when to try again (pure).
+"""What one engine's death does to the client: the failure policies (pure).
 
-:class:`Restart` is what users pass as ``on_engine_failure``; :class:`RestartBudget`
-decides, from the times of an engine's earlier restarts alone, how long to wait before
-the next one or that there is none: no clock of its own, no I/O, so the policy is
-unit-tested with made-up times.
+A policy answers one question, :meth:`on_death`: given how many other engines are in
+service (or being restarted), does this death fail the client, does the client serve on
+without the engine, or is the engine restarted? :func:`resolve_policy` turns what users
+pass as ``on_engine_failure`` (``"fail"``, ``"route_around"``, ``"restart"`` or a
+:class:`Restart`) into a policy, once. The client's state asks the policy and carries
+out the verdict; the transport restarts engines under :class:`Restart`, whose
+:class:`RestartBudget` decides, from the times of an engine's earlier restarts alone,
+how long to wait before the next one or that there is none: no clock of its own, no
+I/O, so every policy is unit-tested with made-up numbers.
+
+A new policy is one class here with an ``on_death`` method, and one test.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Final, final
+from typing import Any, Final, Literal, TypeAlias, final
 
 import attrs
 
 from ._settings_checks import positive_number
 
-__all__ = ["RESTART_NEEDS_LAUNCHED_ENGINES", "Restart", "RestartBudget"]
+__all__ = [
+    "RESTART_NEEDS_LAUNCHED_ENGINES",
+    "Fail",
+    "Policy",
+    "Restart",
+    "RestartBudget",
+    "RouteAround",
+    "Verdict",
+    "resolve_policy",
+]
+
+Verdict: TypeAlias = Literal["fail_client", "serve_on", "restart"]
+"""What a death does: the client fails (every later call raises), the client serves on
+with the engines left, or the dead engine is started again (the client serving on
+meanwhile)."""
 
 RESTART_NEEDS_LAUNCHED_ENGINES: Final = (
     "on_engine_failure='restart' restarts engines this client launches, or remote "
@@ -30,6 +51,29 @@ def _at_least_one(_: object, attribute: attrs.Attribute[Any], value: object) -> 
 
 
 _positive: Final = positive_number("Restart")
+
+
+@final
+@attrs.frozen
+class Fail:
+    """``on_engine_failure="fail"`` (the default, vLLM's behaviour): the first engine
+    death fails the client."""
+
+    def on_death(self, *, others_in_service: int) -> Verdict:
+        """Fail the client, whatever is left."""
+        return "fail_client"
+
+
+@final
+@attrs.frozen
+class RouteAround:
+    """``on_engine_failure="route_around"``: the dead engine is taken out of routing,
+    what depended on it fails, and the client serves on with the others; it fails
+    when no engine is left."""
+
+    def on_death(self, *, others_in_service: int) -> Verdict:
+        """Serve on while another engine is in service (or being restarted)."""
+        return "serve_on" if others_in_service else "fail_client"
 
 
 @final
@@ -63,6 +107,38 @@ class Restart:
     wait_s: float = attrs.field(default=30.0, validator=_positive)
     """How long a new request (or utility call) waits for an engine when none is in
     service, before it raises ``EngineDeadError``."""
+
+    def on_death(self, *, others_in_service: int) -> Verdict:
+        """Start the engine again; the client serves on meanwhile (it fails only when
+        an engine is given up with no other left: see ``RestartBudget``)."""
+        return "restart"
+
+
+Policy: TypeAlias = Fail | RouteAround | Restart
+"""A failure policy, resolved (see :func:`resolve_policy`)."""
+
+_NAMED: Final[dict[str, Policy]] = {
+    "fail": Fail(),
+    "route_around": RouteAround(),
+    "restart": Restart(),
+}
+
+
+def resolve_policy(value: object) -> Policy:
+    """The policy ``value`` names: ``"fail"``, ``"route_around"``, ``"restart"`` (the
+    default :class:`Restart`), or a policy object, returned as it is.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, Fail | RouteAround | Restart):
+        return value
+    if isinstance(value, str) and value in _NAMED:
+        return _NAMED[value]
+    raise ValueError(
+        f"on_engine_failure must be one of {', '.join(map(repr, _NAMED))} or a "
+        f"Restart(...), got {value!r}"
+    )
 
 
 @final

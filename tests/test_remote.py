@@ -534,6 +534,7 @@ async def test_a_refused_peer_that_keeps_reconnecting_is_counted_not_kept(
 ) -> None:
     """The refusal record stays bounded: a total, the most recent refusals and the
     first distinct keys; the startup error names those keys and the count of others."""
+    import trio_enginecore.client._factory as factory
     import trio_enginecore.client._mp as mp
 
     clients: list[TrioMPClient] = []
@@ -543,7 +544,9 @@ async def test_a_refused_peer_that_keeps_reconnecting_is_counted_not_kept(
         clients.append(new_client(*args, **kwargs))
         return clients[-1]
 
+    # Both openers build their client with it.
     monkeypatch.setattr(mp, "new_mp_client", keep_client)
+    monkeypatch.setattr(factory, "new_mp_client", keep_client)
     keys = Keys(tmp_path, engines=1)
     server = keys.server()
     strangers = [zmq.curve_keypair() for _ in range(12)]

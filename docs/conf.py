@@ -79,15 +79,20 @@ nitpick_ignore_regex = [
 nitpick_ignore = [
     # Internal halves named by constructor signatures users never call: a stream is
     # made by client.stream(), a client by the openers.
-    ("py:class", "trio_enginecore.client._stream.StreamFeed"),
+    ("py:class", "trio_enginecore.client._core._stream.StreamFeed"),
     ("py:class", "trio_enginecore.client._sync_stream.Portal"),
-    ("py:class", "trio_enginecore.client._policy.Fail"),
-    ("py:class", "trio_enginecore.client._policy.RouteAround"),
-    ("py:class", "trio_enginecore.client._router.DataParallelRole"),
+    ("py:class", "trio_enginecore.client._core._policy.Fail"),
+    ("py:class", "trio_enginecore.client._core._policy.RouteAround"),
+    ("py:class", "trio_enginecore.client._core._router.DataParallelRole"),
     # The client's inner parts, named by ClientLink's fields: described in the
-    # architecture guide, not API users build on.
-    ("py:class", "trio_enginecore.client._state.ClientState"),
-    ("py:class", "trio_enginecore.client._router.WaveFollower"),
+    # architecture guide, not API users build on (ClientLink's annotations stay
+    # strings: its state's type is imported for the type checker only).
+    ("py:class", "ClientState"),
+    ("py:class", "WaveFollower"),
+    # The data path a TrioMPClient may be given (``pipe=``): provisional, described in
+    # the architecture guide.
+    ("py:class", "trio_enginecore.client._multiprocess._pipe.MessagePipe"),
+    ("py:class", "trio_enginecore._zmq.TrioSocket"),
     # The openers' ``**options``: ClientOptions' fields as keywords, documented there.
     ("py:class", "trio_enginecore.client._options.ClientOptionKeywords"),
     ("py:class", "trio_enginecore.client._options.InprocOptionKeywords"),

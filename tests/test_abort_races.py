@@ -24,7 +24,7 @@ from trio_enginecore import (
     TrioMPClient,
     open_engine_client,
 )
-from trio_enginecore.client._state import ClientState
+from trio_enginecore.client._core._state import ClientState
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 
 from .support import expected

@@ -572,7 +572,7 @@ async def test_a_normal_exit_leaves_no_process_fd_or_directory_behind() -> None:
             assert await stream_tokens(
                 client, EngineCoreRequest.for_tokens([1], request_id="r", max_tokens=4)
             ) == [2, 3, 4, 5]
-            ipc_dir = client.transport._ipc_dir  # pyright: ignore[reportPrivateUsage]
+            ipc_dir = client.transport.control.ipc_dir
             assert ipc_dir is not None
             assert Path(ipc_dir).is_dir()
     assert not Path(ipc_dir).exists()
@@ -617,7 +617,7 @@ async def test_an_engine_that_crashes_at_startup_is_reported_with_its_stderr(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # An engine command that dies at once, with a message on stderr.
-    import trio_enginecore.client._launch as mp
+    import trio_enginecore.client._multiprocess._launch as mp
 
     def broken_command(config: EngineConfig, address: str, **_: object) -> list[str]:
         return [
@@ -676,7 +676,7 @@ async def test_an_engine_does_not_outlive_a_client_killed_with_sigkill() -> None
 async def test_cancelling_the_startup_stops_the_engine_and_returns_promptly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import trio_enginecore.client._launch as mp
+    import trio_enginecore.client._multiprocess._launch as mp
 
     def slow_command(config: EngineConfig, address: str, **_: object) -> list[str]:
         return [sys.executable, "-c", "import time; time.sleep(60)"]

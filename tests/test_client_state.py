@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import trio
 
-from trio_enginecore.client._engines import EngineHandle
-from trio_enginecore.client._policy import Fail, RouteAround
-from trio_enginecore.client._state import MAX_TOMBSTONES, ClientState
-from trio_enginecore.client._stream import StreamFeed, open_request_stream
+from trio_enginecore.client._core._engines import EngineHandle
+from trio_enginecore.client._core._policy import Fail, RouteAround
+from trio_enginecore.client._core._state import MAX_TOMBSTONES, ClientState
+from trio_enginecore.client._core._stream import StreamFeed, open_request_stream
 from trio_enginecore.errors import EngineDeadError, ProtocolError
 from trio_enginecore.protocol import (
     EEP_NOTIFICATION_CALL_ID,
@@ -302,8 +302,8 @@ def test_an_engine_death_fails_only_its_requests_and_every_pending_call() -> Non
     state.register(request("y"), second, stream=on_second)
     _, call = state.calls.new("is_sleeping", state.engines[0])
     waiter = state.batch_ready
-    assert state.engine_died(first, "killed") is True
-    assert state.engine_died(first, "again") is False
+    assert state.lifecycle.engine_died(first, "killed") is True
+    assert state.lifecycle.engine_died(first, "again") is False
     assert on_first.failure is not None
     assert "killed" in on_first.failure
     assert on_second.failure is None
@@ -328,7 +328,7 @@ def test_routing_around_a_death_fails_that_engines_requests_and_calls_only() -> 
     _, owed_by_first = state.calls.new("is_sleeping", first)
     _, owed_by_second = state.calls.new("is_sleeping", second)
 
-    assert state.engine_died(first, "killed by signal 9") is True
+    assert state.lifecycle.engine_died(first, "killed by signal 9") is True
 
     assert state.failure is None
     assert not state.ended.is_set()
@@ -350,7 +350,7 @@ def test_a_batch_request_of_an_engine_routed_around_ends_with_a_local_error_outp
     state, _ = make_state(engines=2, route_around=True)
     first, _second = state.engines
     state.register(request("b"), first, stream=None)
-    state.engine_died(first, "exited with code 1")
+    state.lifecycle.engine_died(first, "exited with code 1")
     delivered = state.take_batch()
     assert delivered is not None
     assert delivered.engine_index == 0
@@ -370,7 +370,7 @@ def test_an_id_whose_engine_was_routed_around_is_retried_under_a_fresh_wire_id()
     state, _ = make_state(engines=2, route_around=True)
     first, second = state.engines
     state.register(request("r"), first, stream=None)
-    state.engine_died(first, "no answer to a liveness check")
+    state.lifecycle.engine_died(first, "no answer to a liveness check")
     state.take_batch()
     retry = state.register(request("r"), second, stream=None)
     assert retry.request_id != "r"
@@ -383,9 +383,9 @@ def test_routing_around_fails_the_client_only_when_no_engine_is_left() -> None:
     state, _ = make_state(engines=2, route_around=True)
     first, second = state.engines
     _, call = state.calls.new("is_sleeping", second)
-    state.engine_died(first, "killed")
+    state.lifecycle.engine_died(first, "killed")
     assert state.failure is None
-    assert state.engine_died(second, "exited with code 1") is True
+    assert state.lifecycle.engine_died(second, "exited with code 1") is True
     assert state.failure is not None
     assert state.failure.startswith("no engine is left: engine rank 1 died: exited")
     assert state.ended.is_set()
@@ -398,7 +398,7 @@ def test_statistics_show_each_engines_state_and_why_it_died() -> None:
     state, _ = make_state(engines=2, route_around=True)
     first, second = state.engines
     state.register(request("a"), second, stream=None)
-    state.engine_died(first, "killed by signal 9")
+    state.lifecycle.engine_died(first, "killed by signal 9")
     statuses = state.statistics().engines
     assert [(e.rank, e.state, e.in_flight) for e in statuses] == [(0, "dead", 0), (1, "alive", 1)]
     assert statuses[0].death == "killed by signal 9"
@@ -416,7 +416,7 @@ def test_requests_an_engine_in_service_lost_fail_alone_whatever_the_policy(
     state.register(request("s"), engine, stream=feed)
     state.register(request("b"), engine, stream=None)
     _, call = state.calls.new("is_sleeping", engine)
-    state.requests_lost(engine, "sent a second ready message")
+    state.lifecycle.requests_lost(engine, "sent a second ready message")
     assert state.failure is None  # the engine is still in service
     state.raise_if_unusable()
     assert engine.alive
@@ -434,7 +434,7 @@ def test_requests_an_engine_in_service_lost_fail_alone_whatever_the_policy(
 def test_a_death_during_closing_is_no_news() -> None:
     state, _ = make_state()
     state.close()
-    assert state.engine_died(state.engines[0], "exited") is False
+    assert state.lifecycle.engine_died(state.engines[0], "exited") is False
     assert state.failure is None
     with pytest.raises(trio.ClosedResourceError):
         state.raise_if_unusable()

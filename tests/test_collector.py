@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from trio_enginecore.client import BatchCollector, merge_outputs
+from trio_enginecore.client._core._collector import BatchCollector, merge_outputs
 from trio_enginecore.errors import ProtocolError
 from trio_enginecore.protocol import (
     EngineCoreEvent,

@@ -36,9 +36,10 @@ from trio_enginecore import (
     UtilityCallError,
     open_engine_client,
 )
-from trio_enginecore.client import EngineConsensusError, TrioEngineClient
-from trio_enginecore.client._launch import serve_arguments
+from trio_enginecore.client import TrioEngineClient
+from trio_enginecore.client._multiprocess._launch import serve_arguments
 from trio_enginecore.engine import CounterModel
+from trio_enginecore.errors import EngineConsensusError
 from trio_enginecore.protocol import LoRARequest, SamplingKeywords
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
 

@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 from trio_enginecore import EngineConfig, EngineDeadError, open_engine_client
-from trio_enginecore.client import DPLBTrioMPClient, EngineConsensusError
+from trio_enginecore.client import DPLBTrioMPClient
+from trio_enginecore.errors import EngineConsensusError
 from trio_enginecore.protocol import EngineCoreRequest
 
 from .support import children_of_this_process, expected
@@ -172,7 +173,7 @@ async def test_the_coordinators_counts_reach_the_client_and_it_stops_with_it() -
     config = EngineConfig(data_parallel_size=3, step_time_s=0.01, max_num_seqs=4)
     with trio.fail_after(30):
         async with open_engine_client(config) as client:
-            tasks = client.transport._socket_tasks  # pyright: ignore[reportPrivateUsage]
+            tasks = client.transport.control.socket_tasks
             assert len(tasks) == 2  # the coordinator, and the watch of the connections
             async with trio.open_nursery() as nursery:
                 for i in range(30):

@@ -22,6 +22,7 @@ from hypothesis import given, settings, strategies as st
 from trio_enginecore.config import EngineConfig
 from trio_enginecore.dialects import NEWEST
 from trio_enginecore.engine import CounterModel, EngineCore, FatalEngineError
+from trio_enginecore.errors import ProtocolError
 from trio_enginecore.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -37,6 +38,7 @@ from trio_enginecore.protocol import (
     UtilityOutput,
     UtilityResult,
 )
+from trio_enginecore.serial import MsgpackDecoder, MsgpackEncoder
 
 from .support import with_changed_sampling
 
@@ -439,6 +441,40 @@ def test_a_duplicate_in_flight_request_id_is_rejected_and_the_original_keeps_run
     # Once finished, the id may be used again.
     engine.add_request(req("a", [50], max_tokens=2))
     assert run_to_completion(engine)[0] == {"a": [51, 52]}
+
+
+def test_a_request_off_the_wire_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The typed decoder checked every field of a decoded request (the sampling
+    parameters' ranges too, in their ``__post_init__``): the engine checks field by
+    field only what was handed over in-process, and still serves both."""
+    import trio_enginecore.engine._core as core_module
+
+    checked: list[str] = []
+    real_check = core_module.check_request
+
+    def counting_check(request: object) -> None:
+        assert isinstance(request, EngineCoreRequest)
+        checked.append(request.request_id)
+        real_check(request)
+
+    monkeypatch.setattr(core_module, "check_request", counting_check)
+    engine = engine_with()
+    engine.add_request(req("in-process", [1], max_tokens=2))
+    frames = MsgpackEncoder().encode(req("off-the-wire", [10], max_tokens=2))
+    engine.add_request(MsgpackDecoder(EngineCoreRequest).decode(frames), decoded=True)
+    assert checked == ["in-process"]
+    tokens, _ = run_to_completion(engine)
+    assert tokens == {"in-process": [2, 3], "off-the-wire": [11, 12]}
+
+
+def test_an_out_of_range_sampling_value_never_decodes() -> None:
+    """What lets the engine skip its check: a decoded request's parameters had their
+    ranges checked on the way in."""
+    bad = req("a", [1], max_tokens=2)
+    assert bad.sampling_params is not None
+    bad.sampling_params.top_p = 1.5  # changed after construction: nothing checked it
+    with pytest.raises(ProtocolError, match="top_p"):
+        MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(bad))
 
 
 def test_a_rejection_is_delivered_even_while_the_engine_sleeps() -> None:

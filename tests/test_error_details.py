@@ -9,8 +9,10 @@ failed as a whole. ``UtilityCallError`` says "failed" once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 
 import pytest
 import trio
@@ -24,10 +26,10 @@ from trio_enginecore import (
     UtilityCallError,
     open_engine_client,
 )
-from trio_enginecore.client._engines import EngineHandle
-from trio_enginecore.client._policy import Fail, RouteAround
-from trio_enginecore.client._state import ClientState
-from trio_enginecore.client._stream import StreamFeed
+from trio_enginecore.client._core._engines import EngineHandle
+from trio_enginecore.client._core._policy import Fail, RouteAround
+from trio_enginecore.client._core._state import ClientState
+from trio_enginecore.client._core._stream import StreamFeed
 
 from .support import children_of_this_process
 
@@ -54,7 +56,7 @@ def _stream_on(state: ClientState, rank: int) -> StreamFeed:
 def test_a_death_routed_around_is_retryable_and_names_the_engine() -> None:
     state = _state(2, route_around=True)
     feed = _stream_on(state, 1)
-    assert state.engine_died(state.engines[1], "it was killed")
+    assert state.lifecycle.engine_died(state.engines[1], "it was killed")
     assert feed.failure_notice is not None
     error = feed.failure_notice.error()
     assert (error.rank, error.pid, error.location, error.retryable) == (1, None, "host-b", True)
@@ -65,7 +67,7 @@ def test_a_death_routed_around_is_retryable_and_names_the_engine() -> None:
 def test_the_death_that_fails_the_client_is_not_retryable() -> None:
     state = _state(1, route_around=False)
     feed = _stream_on(state, 0)
-    assert state.engine_died(state.engines[0], "it was killed")
+    assert state.lifecycle.engine_died(state.engines[0], "it was killed")
     assert feed.failure_notice is not None
     assert feed.failure_notice.error().retryable is False
     with pytest.raises(EngineDeadError) as raised:
@@ -77,8 +79,8 @@ def test_the_death_that_fails_the_client_is_not_retryable() -> None:
 
 def test_the_last_engine_routed_around_fails_the_client_not_retryable() -> None:
     state = _state(2, route_around=True)
-    state.engine_died(state.engines[0], "first")
-    state.engine_died(state.engines[1], "second")
+    state.lifecycle.engine_died(state.engines[0], "first")
+    state.lifecycle.engine_died(state.engines[1], "second")
     error = state.dead_error()
     assert (error.rank, error.location, error.retryable) == (1, "host-b", False)
     assert str(error).startswith("no engine is left")
@@ -161,3 +163,24 @@ def test_a_closed_blocking_client_raises_the_librarys_error_not_trios(
             call()
         assert (raised.value.rank, raised.value.retryable) == (None, False)
     client.close()  # idempotent
+
+
+def test_a_blocking_clients_errors_after_a_death_name_the_engine_even_once_closed() -> None:
+    client = SyncMPClient(EngineConfig(step_time_s=0.01))
+    try:
+        (pid,) = client.engine_pids
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(300):
+            if client.is_dead:
+                break
+            threading.Event().wait(0.05)
+        assert client.is_dead
+    finally:
+        with contextlib.suppress(EngineDeadError):
+            client.close()
+    # Closed after the death: every call still says which engine died, and where.
+    with pytest.raises(EngineDeadError) as later:
+        client.add_request(EngineCoreRequest.for_tokens([1]))
+    assert (later.value.rank, later.value.pid, later.value.retryable) == (0, pid, False)
+    assert children_of_this_process() == []

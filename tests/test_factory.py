@@ -22,7 +22,17 @@ from trio_enginecore import (
     make_client,
     open_engine_client,
 )
-from trio_enginecore.client import ClientKind, connect_engine_client, select_client_kind
+from trio_enginecore.client import (
+    ClientOptions,
+    DPLBTrioMPClient,
+    DPTrioMPClient,
+    LeastLoaded,
+    PowerOfTwoChoices,
+    TrioMPClient,
+    connect_engine_client,
+)
+from trio_enginecore.client._core._router import DataParallelRole
+from trio_enginecore.client._mp import new_mp_client
 from trio_enginecore.client._options import ClientOptionKeywords
 from trio_enginecore.coordinator import CoordinatorAddresses
 from trio_enginecore.engine import CounterModel
@@ -48,77 +58,83 @@ def generate(client: EngineCoreClient, request_id: str, prompt: list[int], n: in
 
 
 # ------------------------------------------------------------------ selection
+# One pure function answers "which engines, which routing" (DataParallelRole.for_config);
+# new_mp_client maps its answer to vLLM's class names, and every opener goes through it.
 
 
-@pytest.mark.parametrize(
-    ("multiprocess", "blocking", "kind"),
-    [
-        (True, False, ClientKind.TRIO_MP),
-        (False, False, ClientKind.TRIO_INPROC),
-        (True, True, ClientKind.SYNC_MP),
-        (False, True, ClientKind.INPROC),
-    ],
-)
-def test_select_client_kind(multiprocess: bool, blocking: bool, kind: ClientKind) -> None:
-    assert select_client_kind(EngineConfig(), multiprocess=multiprocess, blocking=blocking) is kind
+def test_one_engine_is_a_single_role_and_a_trio_mp_client() -> None:
+    role = DataParallelRole.for_config(EngineConfig())
+    assert (role.kind, role.ranks, role.load_balancer, role.data_parallel) == (
+        "single",
+        range(1),
+        None,
+        False,
+    )
+    assert type(new_mp_client(EngineConfig(), ClientOptions())) is TrioMPClient
 
 
-def test_client_kinds_name_the_client_classes() -> None:
-    import trio_enginecore.client as client_module
-
-    assert {kind.value for kind in ClientKind} == {
-        "TrioMPClient",
-        "DPTrioMPClient",
-        "DPLBTrioMPClient",
-        "TrioInprocClient",
-        "SyncMPClient",
-        "InprocClient",
-    }
-    for kind in ClientKind:
-        assert hasattr(client_module, kind.value)
+def test_internal_load_balancing_balances_every_rank_with_least_loaded_by_default() -> None:
+    config = EngineConfig(data_parallel_size=3)
+    role = DataParallelRole.for_config(config)
+    assert role.kind == "balanced"
+    assert role.ranks == range(3)
+    assert role.data_parallel
+    assert isinstance(role.load_balancer, LeastLoaded)
+    assert role.launches_coordinator
+    assert type(new_mp_client(config, ClientOptions())) is DPLBTrioMPClient
 
 
-def test_data_parallel_with_internal_load_balancing_selects_the_dplb_client() -> None:
-    config = EngineConfig(data_parallel_size=2)
-    kind = select_client_kind(config, multiprocess=True, blocking=False)
-    assert kind is ClientKind.DPLB_TRIO_MP
-    assert kind.value == "DPLBTrioMPClient"
+def test_a_given_load_balancer_and_coordinator_are_the_roles() -> None:
+    balancer = PowerOfTwoChoices()
+    coordinator = CoordinatorAddresses("ipc:///tmp/a", "ipc:///tmp/b", "ipc:///tmp/c")
+    role = DataParallelRole.for_config(
+        EngineConfig(data_parallel_size=2), load_balancer=balancer, coordinator=coordinator
+    )
+    assert role.load_balancer is balancer
+    assert role.coordinator is coordinator
+
+
+def test_external_load_balancing_owns_its_one_rank() -> None:
+    config = EngineConfig(
+        data_parallel_size=4, data_parallel_rank=2, data_parallel_external_lb=True
+    )
+    role = DataParallelRole.for_config(config)
+    assert (role.kind, role.ranks, role.load_balancer) == ("one_rank", range(2, 3), None)
+    assert role.data_parallel
+    assert not role.launches_coordinator
+    options = ClientOptions(input_address="tcp://127.0.0.1:0", output_address="tcp://127.0.0.1:0")
+    assert type(new_mp_client(config, options)) is DPTrioMPClient
+
+
+def test_a_coordinator_for_one_engine_is_refused() -> None:
+    coordinator = CoordinatorAddresses("ipc:///tmp/a", "ipc:///tmp/b", "ipc:///tmp/c")
+    with pytest.raises(ValueError, match="only used with data_parallel_size > 1"):
+        DataParallelRole.for_config(EngineConfig(), coordinator=coordinator)
 
 
 @pytest.mark.parametrize("blocking", [False, True])
 def test_data_parallel_needs_engine_processes(blocking: bool) -> None:
+    config = EngineConfig(data_parallel_size=2)
     with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
-        select_client_kind(
-            EngineConfig(data_parallel_size=2), multiprocess=False, blocking=blocking
-        )
+        if blocking:
+            make_client(config, multiprocess=False)
+        else:
+            open_engine_client(config, multiprocess=False)
 
 
 @pytest.mark.parametrize("external_lb", [False, True])
-def test_blocking_data_parallel_is_the_sync_client_around_the_dp_client(
-    external_lb: bool,
-) -> None:
-    config = EngineConfig(data_parallel_size=2, data_parallel_external_lb=external_lb)
-    assert select_client_kind(config, multiprocess=True, blocking=True) is ClientKind.SYNC_MP
-
-
-def test_data_parallel_with_external_load_balancing_selects_the_one_rank_client() -> None:
+def test_blocking_data_parallel_runs_the_data_parallel_trio_client(external_lb: bool) -> None:
     config = EngineConfig(
-        data_parallel_size=2, data_parallel_rank=1, data_parallel_external_lb=True
+        data_parallel_size=2, data_parallel_rank=1, data_parallel_external_lb=external_lb
     )
-    kind = select_client_kind(config, multiprocess=True, blocking=False)
-    assert kind is ClientKind.DP_TRIO_MP
-    assert kind.value == "DPTrioMPClient"
+    expected = DPTrioMPClient if external_lb else DPLBTrioMPClient
+    options = ClientOptions(input_address="tcp://127.0.0.1:0", output_address="tcp://127.0.0.1:0")
+    assert type(new_mp_client(config, options)) is expected
 
 
-def test_external_load_balancing_needs_engine_processes() -> None:
-    config = EngineConfig(data_parallel_size=2, data_parallel_external_lb=True)
-    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
-        select_client_kind(config, multiprocess=False, blocking=False)
-
-
-def test_select_client_kind_takes_keywords_only() -> None:
+def test_role_for_config_takes_keywords_only() -> None:
     with pytest.raises(TypeError):
-        select_client_kind(EngineConfig(), True, False)  # type: ignore[misc]
+        DataParallelRole.for_config(EngineConfig(), LeastLoaded())  # type: ignore[misc]
 
 
 # ---------------------------------------------------------- open_engine_client

@@ -26,7 +26,7 @@ from trio_enginecore import (
     open_engine_client,
 )
 from trio_enginecore.client import ClientOptions, TrioMPClient
-from trio_enginecore.client._policy import Restart, RestartBudget
+from trio_enginecore.client._core._policy import Restart, RestartBudget
 
 from .support import children_of_this_process, expected, open_fds, process_is_running
 

@@ -174,6 +174,8 @@ class Example(msgspec.Struct):
     pairs: dict[str, list[int]] | None = None
     anything: Any = None
     names: frozenset[str] = frozenset()
+    share: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.5
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 @pytest.mark.parametrize(
@@ -182,6 +184,8 @@ class Example(msgspec.Struct):
         ({"small": 11}, TypeError, r"Example\.small must be an int in \[0, 10\], got int 11"),
         ({"small": 0.0}, TypeError, r"Example\.small must be an int in \[0, 10\], got float"),
         ({"mode": "c"}, TypeError, r"Example\.mode must be 'a' or 'b', got str 'c'"),
+        ({"share": 1.0}, TypeError, r"Example\.share must be a float in \[0, 1\), got float 1\.0"),
+        ({"weight": 0}, TypeError, r"Example\.weight must be a float > 0, got int 0"),
         ({"pairs": {"k": [1, None]}}, TypeError, r"Example\.pairs must be a dict of str to"),
         ({"names": {"x"}}, TypeError, r"Example\.names must be a frozenset of str, got set"),
     ],

@@ -36,7 +36,7 @@ from trio_enginecore import (
     ProtocolError,
     TrioMPClient,
 )
-from trio_enginecore.client._state import ClientState
+from trio_enginecore.client._core._state import ClientState
 from trio_enginecore.protocol import ENGINE_CORE_DEAD, UtilityOutput, UtilityResult
 from trio_enginecore.serial import Buffer, MsgpackEncoder
 

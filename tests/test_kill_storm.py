@@ -34,7 +34,7 @@ from trio_enginecore import (
     TrioMPClient,
     open_engine_client,
 )
-from trio_enginecore.client._startup import StartupProgress
+from trio_enginecore.client._multiprocess._startup import StartupProgress
 
 from .support import children_of_this_process, open_fds
 
@@ -204,8 +204,8 @@ async def test_an_engine_killed_during_startup_gives_one_startup_error(
     async def kill_then_handshake(progress: StartupProgress, *args: Any) -> None:
         await trio.sleep(delay)
         (engine,) = progress.engines
-        assert engine.process is not None
-        os.kill(engine.process.pid, signal.SIGKILL)
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
         killed.append(delay)
         await handshake(progress, *args)
 

@@ -7,8 +7,9 @@ from collections import Counter
 
 import pytest
 
-from trio_enginecore.client import EngineConsensusError, EngineLoad, LeastLoaded, PowerOfTwoChoices
-from trio_enginecore.client._lb import consensus, score
+from trio_enginecore.client import EngineLoad, LeastLoaded, PowerOfTwoChoices
+from trio_enginecore.client._core._lb import consensus, score
+from trio_enginecore.errors import EngineConsensusError
 
 
 def test_score_is_vllms_formula() -> None:

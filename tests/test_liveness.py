@@ -41,7 +41,7 @@ from trio_enginecore import (
     open_engine_client,
 )
 from trio_enginecore.client import Restart, TrioEngineClient
-from trio_enginecore.client._launch import serve_arguments
+from trio_enginecore.client._multiprocess._launch import serve_arguments
 
 from .enginepeer import serve_command
 from .support import (

@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 
 from trio_enginecore import Liveness
-from trio_enginecore.client._engines import EngineHandle
-from trio_enginecore.client._liveness_rules import (
+from trio_enginecore.client._core._engines import EngineHandle
+from trio_enginecore.client._core._liveness_rules import (
     DEFAULT_LIVENESS,
     RECONNECT_GRACE_S,
     ConnectionTable,
     ProgressClock,
 )
-from trio_enginecore.client._policy import Fail, Restart
-from trio_enginecore.client._state import ClientState
+from trio_enginecore.client._core._policy import Fail, Restart
+from trio_enginecore.client._core._state import ClientState
 
 A, B = b"\x00\x00", b"\x01\x00"
 
@@ -170,42 +170,42 @@ def one_engine_state(*, restarts: bool = False) -> tuple[ClientState, EngineHand
 
 def test_a_suspect_engine_stays_in_service_until_it_shows_life() -> None:
     state, engine = one_engine_state()
-    assert state.engine_suspect(engine, "its connection was lost")
+    assert state.lifecycle.engine_suspect(engine, "its connection was lost")
     assert engine.alive
     assert engine.status().state == "suspect"
     assert engine.status().suspicion == "its connection was lost"
     assert state.failure is None
-    assert not state.engine_suspect(engine, "again")  # not news
-    state.engine_cleared(engine)
+    assert not state.lifecycle.engine_suspect(engine, "again")  # not news
+    state.lifecycle.engine_cleared(engine)
     assert engine.status().state == "alive"
     assert engine.status().suspicion is None
 
 
 def test_a_suspect_engine_can_be_declared_dead() -> None:
     state, engine = one_engine_state()
-    state.engine_suspect(engine, "no progress for 31 s")
-    assert state.engine_died(engine, "no progress for 61 s")
+    state.lifecycle.engine_suspect(engine, "no progress for 31 s")
+    assert state.lifecycle.engine_died(engine, "no progress for 61 s")
     assert engine.status().state == "dead"
     assert engine.status().suspicion is None
-    state.engine_cleared(engine)  # too late: dead is dead
+    state.lifecycle.engine_cleared(engine)  # too late: dead is dead
     assert engine.status().state == "dead"
 
 
 def test_a_dead_or_restarting_engine_is_never_suspect() -> None:
     state, engine = one_engine_state(restarts=True)
-    state.engine_died(engine, "killed by signal 9")
+    state.lifecycle.engine_died(engine, "killed by signal 9")
     assert engine.status().state == "restarting"
-    assert not state.engine_suspect(engine, "its connection was lost")
+    assert not state.lifecycle.engine_suspect(engine, "its connection was lost")
     assert engine.status().state == "restarting"
 
 
 def test_a_failed_restart_is_recorded_and_the_engine_stays_restarting() -> None:
     state, engine = one_engine_state(restarts=True)
-    state.engine_died(engine, "killed by signal 9")
-    state.restart_failed(engine, "not ready within 60 s")
+    state.lifecycle.engine_died(engine, "killed by signal 9")
+    state.lifecycle.restart_failed(engine, "not ready within 60 s")
     assert engine.death == "its restart failed: not ready within 60 s"
     assert engine.restarting
-    state.engine_back(engine)
+    state.lifecycle.engine_back(engine)
     assert engine.status().state == "alive"
     assert engine.death is None
 
@@ -213,7 +213,7 @@ def test_a_failed_restart_is_recorded_and_the_engine_stays_restarting() -> None:
 def test_closing_takes_every_engine_out_of_service() -> None:
     state, engine = one_engine_state()
     state.close()
-    assert not state.engine_suspect(engine, "its connection was lost")
-    state.engines_stopped()
+    assert not state.lifecycle.engine_suspect(engine, "its connection was lost")
+    state.lifecycle.engines_stopped()
     assert engine.status().state == "dead"
     assert engine.death == "stopped with the client"

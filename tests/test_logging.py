@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from trio_enginecore import EngineConfig, EngineCoreRequest, EngineDeadError, open_engine_client
-from trio_enginecore.client._launch import engine_log_level, parse_relayed_line
+from trio_enginecore.client._multiprocess._launch import engine_log_level, parse_relayed_line
 
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d")
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from trio_enginecore.client._engines import EngineHandle
-from trio_enginecore.client._policy import (
+from trio_enginecore.client._core._engines import EngineHandle
+from trio_enginecore.client._core._policy import (
     Fail,
     Policy,
     Restart,
     RouteAround,
     resolve_policy,
 )
-from trio_enginecore.client._state import ClientState
+from trio_enginecore.client._core._state import ClientState
 
 
 def test_fail_fails_the_client_whatever_is_left() -> None:
@@ -63,16 +63,16 @@ def test_the_state_carries_out_each_policys_verdict(
     policy: Policy, states: list[str], client_failed: bool
 ) -> None:
     state = _state(policy, 2)
-    assert state.engine_died(state.engines[0], "killed")
+    assert state.lifecycle.engine_died(state.engines[0], "killed")
     assert [engine.state for engine in state.engines] == states
     assert (state.failure is not None) == client_failed
 
 
 def test_the_last_engine_routed_around_fails_the_client_saying_none_is_left() -> None:
     state = _state(RouteAround(), 2)
-    state.engine_died(state.engines[0], "first")
+    state.lifecycle.engine_died(state.engines[0], "first")
     assert state.failure is None
-    state.engine_died(state.engines[1], "second")
+    state.lifecycle.engine_died(state.engines[1], "second")
     assert state.failure is not None
     assert state.failure.startswith("no engine is left: engine rank 1 died: second")
 
@@ -80,12 +80,12 @@ def test_the_last_engine_routed_around_fails_the_client_saying_none_is_left() ->
 def test_a_restarting_engine_given_up_fails_the_client_only_when_none_is_left() -> None:
     state = _state(Restart(), 2)
     first, second = state.engines
-    state.engine_died(first, "killed")
-    state.engine_given_up(first, "not restarted again")
+    state.lifecycle.engine_died(first, "killed")
+    state.lifecycle.engine_given_up(first, "not restarted again")
     assert (first.state, state.failure) == ("dead", None)  # rank 1 serves
-    state.engine_died(second, "killed")
+    state.lifecycle.engine_died(second, "killed")
     assert second.state == "restarting"
     assert state.failure is None
-    state.engine_given_up(second, "not restarted again")
+    state.lifecycle.engine_given_up(second, "not restarted again")
     assert state.failure is not None
     assert state.failure.startswith("no engine is left")

@@ -29,7 +29,7 @@ from trio_enginecore import EngineConfig, EngineCoreRequest, open_engine_client
 from trio_enginecore._zmq import make_socket
 from trio_enginecore.client import TrioEngineClient
 from trio_enginecore.engine import CounterModel, EngineCoreProc, addresses_for
-from trio_enginecore.engine._proc import _drop_queued_input
+from trio_enginecore.engine._links import drop_queued_input
 from trio_enginecore.protocol import EngineCoreReadyResponse, EngineCoreRequestType
 from trio_enginecore.serial import MsgpackDecoder
 
@@ -306,14 +306,14 @@ async def test_the_input_left_over_is_taken_off_to_the_last_message_and_no_furth
             await dealer.send_multipart([b"hello"])
             with trio.fail_after(10):
                 assert (await router.recv_multipart())[0] == RANK0
-                assert await _drop_queued_input(dealer) == 0
+                assert await drop_queued_input(dealer) == 0
                 for i in range(50):
                     await router.send_multipart([RANK0, b"stale %d" % i])
                 # Let libzmq's I/O thread queue them all on the DEALER, with no
                 # checkpoint (the engine's tasks see such a queue after a stall).
                 time.sleep(0.2)  # noqa: ASYNC251
-                assert await _drop_queued_input(dealer) == 50
-                assert await _drop_queued_input(dealer) == 0
+                assert await drop_queued_input(dealer) == 50
+                assert await drop_queued_input(dealer) == 0
                 await router.send_multipart([RANK0, b"fresh"])
                 assert await dealer.recv_multipart() == [b"fresh"]
     finally:

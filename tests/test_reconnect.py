@@ -30,7 +30,7 @@ import trio
 
 from trio_enginecore import EngineConfig, EngineCoreRequest, EngineDeadError, open_engine_client
 from trio_enginecore.client import TrioEngineClient
-from trio_enginecore.client._launch import serve_arguments
+from trio_enginecore.client._multiprocess._launch import serve_arguments
 
 from .enginepeer import serve_command
 from .support import children_of_this_process, expected, free_port, stop_process, stream_tokens

@@ -27,8 +27,8 @@ from trio_enginecore import (
     UtilityCallError,
     open_engine_client,
 )
-from trio_enginecore.client._engines import EngineHandle
-from trio_enginecore.client._startup import adopt_dialect
+from trio_enginecore.client._core._engines import EngineHandle
+from trio_enginecore.client._multiprocess._startup import adopt_dialect
 from trio_enginecore.dialects import DIALECTS, VLLM_0_33, VLLM_0_34
 from trio_enginecore.engine import EngineCore
 

@@ -44,8 +44,8 @@ from trio_enginecore._curve import (
 )
 from trio_enginecore._zmq import TrioSocket
 from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
-from trio_enginecore.client._launch import serve_arguments
-from trio_enginecore.client._remote import connectable
+from trio_enginecore.client._multiprocess._launch import serve_arguments
+from trio_enginecore.client._multiprocess._remote import connectable
 from trio_enginecore.protocol import EngineHandshakeMetadata, HandshakeHello, HandshakeReady
 from trio_enginecore.serial import MsgpackDecoder, MsgpackEncoder
 

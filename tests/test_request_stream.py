@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from trio_enginecore.client import RequestStream
-from trio_enginecore.client._stream import StreamFeed, open_request_stream
+from trio_enginecore.client._core._stream import StreamFeed, open_request_stream
 from trio_enginecore.errors import EngineDeadError
 from trio_enginecore.protocol import EngineCoreOutput, FinishReason
 

@@ -34,7 +34,7 @@ from trio_enginecore import (
     open_engine_client,
 )
 from trio_enginecore._request_checks import check_request, check_requests
-from trio_enginecore.client._stream import open_request_stream
+from trio_enginecore.client._core._stream import open_request_stream
 from trio_enginecore.protocol import EngineCoreOutput, LoRARequest, RequestError
 from trio_enginecore.serial import MsgpackEncoder
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client

@@ -12,8 +12,8 @@ import trio
 import trio.testing
 
 from trio_enginecore.client import EngineLoad, LeastLoaded, PowerOfTwoChoices
-from trio_enginecore.client._engines import EngineHandle
-from trio_enginecore.client._router import DataParallelRole, Router, WaveFollower
+from trio_enginecore.client._core._engines import EngineHandle
+from trio_enginecore.client._core._router import DataParallelRole, Router, WaveFollower
 from trio_enginecore.config import EngineConfig
 from trio_enginecore.coordinator import CoordinatorAddresses
 from trio_enginecore.errors import EngineDeadError, ProtocolError

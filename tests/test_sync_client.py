@@ -196,7 +196,7 @@ def test_sigint_interrupts_a_blocked_get_output_promptly_and_stops_the_engine() 
 SLOW_START_SCRIPT = """
 import logging
 import sys
-import trio_enginecore.client._launch as mp
+import trio_enginecore.client._multiprocess._launch as mp
 from trio_enginecore import SyncMPClient
 
 original = mp.engine_command

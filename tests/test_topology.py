@@ -9,9 +9,9 @@ import pytest
 from trio_enginecore._curve import CurveKeyPair, CurveServer
 from trio_enginecore._listeners import ListenerFd
 from trio_enginecore.client import LeastLoaded, Liveness, RemoteEngines
-from trio_enginecore.client._liveness_rules import DEFAULT_LIVENESS, RECONNECT_GRACE_S
-from trio_enginecore.client._router import DataParallelRole
-from trio_enginecore.client._topology import (
+from trio_enginecore.client._core._liveness_rules import DEFAULT_LIVENESS, RECONNECT_GRACE_S
+from trio_enginecore.client._core._router import DataParallelRole
+from trio_enginecore.client._multiprocess._topology import (
     ATTRIBUTION_WINDOW_S,
     EXTERNAL_LB_NEEDS_COORDINATOR,
     CoordinatorSource,

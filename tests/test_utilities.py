@@ -15,10 +15,8 @@ import attrs
 import pytest
 
 from trio_enginecore import AsyncEngineCoreClient, EngineCoreClient, ProtocolError
-from trio_enginecore.client import EngineConsensusError
-from trio_enginecore.client._interface import ClientStatistics
-from trio_enginecore.client._stream import RequestStream
-from trio_enginecore.client._utilities import (
+from trio_enginecore.client._core._stream import RequestStream
+from trio_enginecore.client._core._utilities import (
     UTILITIES,
     UtilitySpec,
     UtilityTable,
@@ -29,7 +27,11 @@ from trio_enginecore.client._utilities import (
     sum_counts,
     trailing_given,
 )
+from trio_enginecore.client._interface import ClientStatistics
+from trio_enginecore.engine import EngineCore
+from trio_enginecore.errors import EngineConsensusError
 from trio_enginecore.protocol import EngineCoreOutputs, EngineCoreRequest
+from trio_enginecore.testing import FakeEngine
 
 FACES: tuple[type[Any], ...] = (AsyncEngineCoreClient, EngineCoreClient)
 
@@ -91,6 +93,22 @@ SPECS = list(UTILITIES)
 SPEC_IDS = [spec.name for spec in SPECS]
 
 
+def _placeholders(spec: UtilitySpec[Any]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Arguments for every parameter of the wrapper (the keyword-only ones as keywords),
+    and what the engine then receives: one distinct value per parameter, in order."""
+    parameters = list(inspect.signature(getattr(EngineCoreClient, spec.name)).parameters.values())
+    values = {p.name: f"<{p.name}>" for p in parameters[1:]}
+    return values, tuple(values.values())
+
+
+def _call(face: Any, spec: UtilitySpec[Any]) -> Any:
+    values, _ = _placeholders(spec)
+    parameters = list(inspect.signature(getattr(EngineCoreClient, spec.name)).parameters.values())
+    args = [values[p.name] for p in parameters[1:] if p.kind is not p.KEYWORD_ONLY]
+    keywords = {p.name: values[p.name] for p in parameters if p.kind is p.KEYWORD_ONLY}
+    return getattr(face, spec.name)(*args, **keywords)
+
+
 # ------------------------------------------------------------------- the table
 
 
@@ -100,6 +118,30 @@ def test_every_spec_is_named_after_its_table_entry_and_is_listed_once() -> None:
     assert all(getattr(UTILITIES, name).name == name for name in fields)
     assert len(set(fields)) == len(fields)
     assert set(TWO_ENGINES) == set(fields), "give every new spec an example below"
+
+
+# A typed utility is one spec (client/_core/_utilities.py), one method per face
+# (client/_interface.py), the reference engine's @utility method (engine/_core.py) and
+# the fake engine's handler (testing.py): these tests fail until all four are there.
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_the_reference_engine_has_a_utility_method_for_every_spec(spec: UtilitySpec[Any]) -> None:
+    assert spec.name in EngineCore.utility_names(), f"engine/_core.py: no @utility {spec.name}"
+    _, sent = _placeholders(spec)
+    # It takes whatever the wrappers send (a wrapper sends at most every parameter).
+    # Its keyword-only parameters are the engine's own (a deferred utility's caller).
+    signature = inspect.signature(getattr(EngineCore, spec.name))
+    own = {p.name: None for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY}
+    signature.bind(None, *sent, **own)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_the_fake_engine_answers_every_spec(spec: UtilitySpec[Any]) -> None:
+    handler = FakeEngine().utility_handler(spec.name)
+    assert handler is not None, f"testing.py: FakeEngine has no handler for {spec.name}"
+    _, sent = _placeholders(spec)
+    inspect.signature(handler).bind(*sent)
 
 
 # ------------------------------------------------------------------- combine
@@ -269,25 +311,16 @@ class _BlockingFace(EngineCoreClient):
         pass
 
 
-def _placeholders(spec: UtilitySpec[Any]) -> tuple[tuple[str, ...], dict[str, str]]:
-    # One distinct value per parameter: the engine must receive them all, in order.
-    parameters = list(inspect.signature(getattr(EngineCoreClient, spec.name)).parameters.values())
-    positional = tuple(f"<{p.name}>" for p in parameters[1:] if p.kind is not p.KEYWORD_ONLY)
-    keywords = {p.name: f"<{p.name}>" for p in parameters if p.kind is p.KEYWORD_ONLY}
-    return positional, keywords
-
-
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 async def test_both_faces_ask_every_engine_and_answer_alike(spec: UtilitySpec[Any]) -> None:
     answers, expected = TWO_ENGINES[spec.name]
-    args, keywords = _placeholders(spec)
     trio_face = _TrioFace({spec.name: answers})
     blocking_face = _BlockingFace({spec.name: answers})
-    trio_result = await getattr(trio_face, spec.name)(*args, **keywords)
-    blocking_result = getattr(blocking_face, spec.name)(*args, **keywords)
+    trio_result = await _call(trio_face, spec)
+    blocking_result = _call(blocking_face, spec)
     assert trio_result == blocking_result == expected == combine(spec, answers)
     assert type(trio_result) is type(blocking_result) is type(expected)
-    sent = (*args, *keywords.values())
+    _, sent = _placeholders(spec)
     assert trio_face.calls == blocking_face.calls == [(spec.name, sent)]
 
 

@@ -25,7 +25,7 @@ from typing import Any, Final, Literal, TextIO
 import trio
 
 from .client import TrioEngineClient, open_engine_client
-from .client._launch import serve_arguments
+from .client._multiprocess._launch import serve_arguments
 from .config import EngineConfig
 from .protocol import EngineCoreRequest
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, cast
 
 from . import __version__
-from .config import MODELS, EngineConfig
+from .config import MODELS, add_engine_flags, config_from_flags
 
 _SERVE_DESCRIPTION = """\
 Run one reference EngineCore process. It speaks vLLM 0.33's engine-core protocol, so
@@ -125,8 +125,7 @@ def _configure_logging(args: argparse.Namespace, tag: str) -> None:
     logging.basicConfig(level=args.log_level, format=template, stream=sys.stderr)
 
 
-def _serve_parser(parser: argparse.ArgumentParser) -> None:
-    serve = parser
+def _serve_parser(serve: argparse.ArgumentParser) -> None:
     where = serve.add_argument_group("where to serve (attach mode or handshake mode)")
     where.add_argument(
         "--input-address",
@@ -197,89 +196,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
         help="the client's public key: its NAME.key certificate, or the 40 Z85 characters "
         "(write --curve-server-key=KEY: a key may start with '-')",
     )
-    defaults = EngineConfig()
-    engine = serve.add_argument_group("engine configuration")
-    engine.add_argument(
-        "--model",
-        choices=MODELS,
-        default=defaults.model,
-        help="built-in model: 'counter' (each token is the previous one + 1; for tests) or "
-        "'ngram' (a small byte-level language model; for demos) (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--rank",
-        type=int,
-        default=defaults.data_parallel_rank,
-        help="data-parallel rank; the DEALER identity is rank.to_bytes(2, 'little') "
-        "(default: %(default)s)",
-    )
-    engine.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=defaults.data_parallel_size,
-        help="number of data-parallel ranks (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="vocabulary size (default: the model's own: counter 32000, ngram 257)",
-    )
-    engine.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=defaults.max_num_seqs,
-        help="requests per step; the rest wait (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--max-model-len",
-        type=int,
-        default=defaults.max_model_len,
-        help="maximum prompt + output tokens of a request (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--max-loras",
-        type=int,
-        default=defaults.max_loras,
-        help="LoRA adapters that can be registered at once (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--step-time-s",
-        type=float,
-        default=defaults.step_time_s,
-        help="simulated accelerator time per step, in seconds (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--seed",
-        type=int,
-        default=defaults.seed,
-        help="sampling seed for requests without their own (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--log-stats",
-        action="store_true",
-        help="attach scheduler stats and request events to outputs",
-    )
-    engine.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=defaults.drain_timeout_s,
-        help="on SIGTERM/SIGINT, how long in-flight requests may finish (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--vllm-version",
-        default=defaults.vllm_version,
-        help="the vLLM release the engine presents itself as; it reads requests of "
-        "every supported release (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--enable-fault-injection",
-        action="store_true",
-        help=(
-            "enable the utilities that make the engine fail or stall on purpose "
-            "(inject_fault, stall, stall_steps; tests only)"
-        ),
-    )
+    # One option per engine setting, from EngineConfig itself.
+    add_engine_flags(serve)
     _add_log_level(serve)
 
 
@@ -471,24 +389,10 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         except (OSError, ValueError) as exc:
             parser.error(f"CURVE keys: {exc}")
     try:
-        config = EngineConfig(
-            model=args.model,
-            vocab_size=args.vocab_size,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            max_loras=args.max_loras,
-            step_time_s=args.step_time_s,
-            seed=args.seed,
-            log_stats=args.log_stats,
-            drain_timeout_s=args.drain_timeout_s,
-            data_parallel_size=args.data_parallel_size,
-            data_parallel_rank=args.rank,
-            vllm_version=args.vllm_version,
-            enable_fault_injection=args.enable_fault_injection,
-        )
+        config = config_from_flags(args)
     except ValueError as exc:
         parser.error(str(exc))
-    _configure_logging(args, f"engine[{args.rank}]")
+    _configure_logging(args, f"engine[{config.data_parallel_rank}]")
     return serve(
         config,
         inputs=args.input_address,

@@ -117,7 +117,15 @@ def _float_rule(t: mi.FloatType) -> _Rule:
             and (lt is None or v < lt)
         )
 
-    return _Rule(check, "a float in range", deep={float: check, int: check})
+    low = (t.ge, "[", ">=") if t.ge is not None else (t.gt, "(", ">")
+    high = (t.le, "]", "<=") if t.le is not None else (t.lt, ")", "<")
+    if low[0] is not None and high[0] is not None:
+        what = f"in {low[1]}{low[0]:g}, {high[0]:g}{high[1]}"
+    else:
+        bound, _, word = low if low[0] is not None else high
+        what = f"{word} {bound:g}"
+    # Meta(multiple_of=...) on a float is not used by the protocol; it is left to msgspec.
+    return _Rule(check, f"a float {what}", deep={float: check, int: check})
 
 
 def _all_items(values: Iterable[object], item: _Rule) -> bool:

@@ -1,8 +1,19 @@
-"""Configuration of the reference engine (and, later, of the clients that launch it)."""
+"""Configuration of the reference engine, and how each setting is given on its command
+line.
+
+:class:`EngineConfig` is the one source of the engine's settings: each field carries,
+in its metadata, the ``trio-enginecore serve`` flag that sets it (a ``Flag``). From
+that table come the serve command's engine options (``add_engine_flags``), the
+configuration it builds from them (``config_from_flags``), and the flags a client
+passes to an engine it launches (``engine_flags``), so the three cannot drift apart.
+Client settings are :class:`~trio_enginecore.client.ClientOptions`.
+"""
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -13,6 +24,31 @@ __all__ = ["MODELS", "EngineConfig"]
 
 MODELS: Final = ("counter", "ngram")
 """Names of the built-in models."""
+
+
+@attrs.frozen
+class Flag:
+    """How one :class:`EngineConfig` field is given to ``trio-enginecore serve``.
+
+    A ``switch`` is a flag without a value, present when the field is True; any other
+    flag takes ``type(text)``, and is left out when the field is None. In ``help``,
+    ``%(default)s`` is the field's default.
+    """
+
+    name: str
+    help: str
+    type: Callable[[str], Any] = str
+    choices: Sequence[str] | None = None
+    switch: bool = False
+
+
+FLAG: Final = "trio_enginecore.flag"
+"""The metadata key of an :class:`EngineConfig` field's :class:`Flag`; its value is
+None for a field that is not a setting of the engine process."""
+
+
+def _flag(name: str, help: str, **kwargs: Any) -> dict[str, Flag]:
+    return {FLAG: Flag(name, help, **kwargs)}
 
 
 def _positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -74,54 +110,159 @@ class EngineConfig:
     ``counter`` model. Bad values raise :class:`ValueError` naming the field.
     """
 
-    model: str = attrs.field(default="counter", validator=_model_name)
+    model: str = attrs.field(
+        default="counter",
+        validator=_model_name,
+        metadata=_flag(
+            "--model",
+            "built-in model: 'counter' (each token is the previous one + 1; for tests) or "
+            "'ngram' (a small byte-level language model; for demos) (default: %(default)s)",
+            choices=MODELS,
+        ),
+    )
     """Which built-in model to serve, ``"counter"`` (each token is the previous one plus
     one, modulo the vocabulary; for tests) or ``"ngram"`` (a small byte-level language
     model whose sampling parameters have real, seeded effects; for demos)."""
 
-    vocab_size: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    vocab_size: int | None = attrs.field(
+        default=None,
+        validator=_optional_positive_int,
+        metadata=_flag(
+            "--vocab-size",
+            "vocabulary size (default: the model's own: counter 32000, ngram 257)",
+            type=int,
+        ),
+    )
     """Vocabulary size; ``None`` uses the model's own (32000 for counter, 257 for ngram)."""
 
-    max_num_seqs: int = attrs.field(default=256, validator=_positive_int)
+    max_num_seqs: int = attrs.field(
+        default=256,
+        validator=_positive_int,
+        metadata=_flag(
+            "--max-num-seqs", "requests per step; the rest wait (default: %(default)s)", type=int
+        ),
+    )
     """How many requests run in one step; the rest wait their turn."""
 
-    max_model_len: int = attrs.field(default=4096, validator=_positive_int)
+    max_model_len: int = attrs.field(
+        default=4096,
+        validator=_positive_int,
+        metadata=_flag(
+            "--max-model-len",
+            "maximum prompt + output tokens of a request (default: %(default)s)",
+            type=int,
+        ),
+    )
     """Maximum prompt plus output length of one request, in tokens."""
 
-    max_loras: int = attrs.field(default=4, validator=_non_negative_int)
+    max_loras: int = attrs.field(
+        default=4,
+        validator=_non_negative_int,
+        metadata=_flag(
+            "--max-loras",
+            "LoRA adapters that can be registered at once (default: %(default)s)",
+            type=int,
+        ),
+    )
     """How many LoRA adapters can be registered at once."""
 
-    step_time_s: float = attrs.field(default=0.0, validator=_non_negative_seconds)
+    step_time_s: float = attrs.field(
+        default=0.0,
+        validator=_non_negative_seconds,
+        metadata=_flag(
+            "--step-time-s",
+            "simulated accelerator time per step, in seconds (default: %(default)s)",
+            type=float,
+        ),
+    )
     """Simulated accelerator time per model step. The engine keeps serving I/O while it
     "computes", as a real engine overlaps I/O with the GPU."""
 
-    seed: int = attrs.field(default=0, validator=_non_negative_int)
+    seed: int = attrs.field(
+        default=0,
+        validator=_non_negative_int,
+        metadata=_flag(
+            "--seed",
+            "sampling seed for requests without their own (default: %(default)s)",
+            type=int,
+        ),
+    )
     """Seed of the engine's sampler for requests that do not bring their own seed."""
 
-    log_stats: bool = attrs.field(default=False, validator=_boolean)
+    log_stats: bool = attrs.field(
+        default=False,
+        validator=_boolean,
+        metadata=_flag(
+            "--log-stats", "attach scheduler stats and request events to outputs", switch=True
+        ),
+    )
     """Attach scheduler statistics and request events (QUEUED, SCHEDULED) to outputs, as
     vLLM does when stats logging is on."""
 
-    drain_timeout_s: float = attrs.field(default=30.0, validator=_non_negative_seconds)
+    drain_timeout_s: float = attrs.field(
+        default=30.0,
+        validator=_non_negative_seconds,
+        metadata=_flag(
+            "--drain-timeout-s",
+            "on SIGTERM/SIGINT, how long in-flight requests may finish (default: %(default)s)",
+            type=float,
+        ),
+    )
     """On SIGTERM/SIGINT, how long in-flight requests may run before they are aborted."""
 
-    data_parallel_size: int = attrs.field(default=1, validator=_positive_int)
+    data_parallel_size: int = attrs.field(
+        default=1,
+        validator=_positive_int,
+        metadata=_flag(
+            "--data-parallel-size", "number of data-parallel ranks (default: %(default)s)", type=int
+        ),
+    )
     """Number of data-parallel engines (ranks)."""
 
-    data_parallel_external_lb: bool = attrs.field(default=False, validator=_boolean)
+    # Decided by the clients (which client owns which rank): the engine process has no
+    # use for it, so it has no flag and launched engines are not told.
+    data_parallel_external_lb: bool = attrs.field(
+        default=False, validator=_boolean, metadata={FLAG: None}
+    )
     """With several ranks: an external load balancer picks the rank for each client
     (each client then owns one rank) instead of one client balancing over all."""
 
-    data_parallel_rank: int = attrs.field(default=0, validator=_non_negative_int)
+    data_parallel_rank: int = attrs.field(
+        default=0,
+        validator=_non_negative_int,
+        metadata=_flag(
+            "--rank",
+            "data-parallel rank; the DEALER identity is rank.to_bytes(2, 'little') "
+            "(default: %(default)s)",
+            type=int,
+        ),
+    )
     """This engine's rank; its DEALER identity is ``rank.to_bytes(2, "little")``."""
 
-    vllm_version: str = attrs.field(default=NEWEST.tested_version, validator=_known_vllm_version)
+    vllm_version: str = attrs.field(
+        default=NEWEST.tested_version,
+        validator=_known_vllm_version,
+        metadata=_flag(
+            "--vllm-version",
+            "the vLLM release the engine presents itself as; it reads requests of every "
+            "supported release (default: %(default)s)",
+        ),
+    )
     """The vLLM release the engine presents itself as: the version in its ready
     message, which tells clients what form to write requests in, and the form of its
     outputs and ready message. It reads requests in every supported release's form
     either way, so vLLM clients of each release can use it."""
 
-    enable_fault_injection: bool = attrs.field(default=False, validator=_boolean)
+    enable_fault_injection: bool = attrs.field(
+        default=False,
+        validator=_boolean,
+        metadata=_flag(
+            "--enable-fault-injection",
+            "enable the utilities that make the engine fail or stall on purpose "
+            "(inject_fault, stall, stall_steps; tests only)",
+            switch=True,
+        ),
+    )
     """Enable the utilities that make the engine fail or stall on purpose, for tests of
     a client's failure handling: ``inject_fault`` (the next step fails fatally),
     ``stall(seconds)`` (a utility that holds the engine's thread) and
@@ -146,3 +287,58 @@ class EngineConfig:
     def evolve(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (and validated again)."""
         return attrs.evolve(self, **changes)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def _flagged() -> list[tuple[attrs.Attribute[Any], Flag]]:
+    """The fields that are settings of the engine process, with their flags."""
+    return [
+        (field, flag)
+        for field in attrs.fields(EngineConfig)
+        if (flag := field.metadata[FLAG]) is not None
+    ]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the group of engine settings to ``parser`` (``trio-enginecore serve``): one
+    option per flagged :class:`EngineConfig` field, defaulting to the field's default."""
+    group = parser.add_argument_group("engine configuration")
+    for field, flag in _flagged():
+        if flag.switch:
+            group.add_argument(flag.name, dest=field.name, action="store_true", help=flag.help)
+            continue
+        group.add_argument(
+            flag.name,
+            dest=field.name,
+            # What argparse shows without a dest of its own: the choices, or the flag's
+            # name (--rank RANK, not DATA_PARALLEL_RANK).
+            metavar=None if flag.choices else flag.name[2:].replace("-", "_").upper(),
+            type=flag.type,
+            choices=flag.choices,
+            default=field.default,
+            help=flag.help,
+        )
+
+
+def config_from_flags(args: argparse.Namespace) -> EngineConfig:
+    """The configuration the options of :func:`add_engine_flags` give.
+
+    Raises:
+        ValueError: a setting is out of range (naming the field).
+    """
+    return EngineConfig(**{field.name: getattr(args, field.name) for field, _ in _flagged()})
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The ``trio-enginecore serve`` flags that reproduce ``config``."""
+    arguments: list[str] = []
+    for field, flag in _flagged():
+        value = getattr(config, field.name)
+        if flag.switch:
+            if value:
+                arguments.append(flag.name)
+        elif value is not None:  # None: the flag's default
+            arguments += [flag.name, str(value)]
+    return arguments

@@ -107,6 +107,7 @@ __all__ = [
     "LoRARequest",
     "LogprobsLists",
     "LogprobsTensors",
+    "PauseMode",
     "PoolingParams",
     "PrefillStats",
     "PrefixHashConfig",
@@ -201,6 +202,10 @@ class EngineCoreEventType(enum.IntEnum):
 CheckpointState = Literal["running", "preparing", "prepared", "restoring", "failed"]
 """A vLLM 0.34 engine's process-checkpoint state (``checkpoint_state()``; vLLM's
 ``StrEnum`` travels as its string). An engine serves only while ``running``."""
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""What pausing the scheduler does with the requests in flight: abort them, wait for
+them to finish, or keep them paused where they are (vLLM's ``PauseMode``)."""
 
 
 class RequestOutputKind(enum.IntEnum):

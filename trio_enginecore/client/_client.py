@@ -1,10 +1,10 @@
 """The one Trio engine client: streams, batches, utilities, over any transport.
 
 :class:`TrioEngineClient` implements :class:`AsyncEngineCoreClient`. What happens to
-each request is decided by its :class:`~trio_enginecore.client._state.ClientState`
-(no I/O); which engine gets it, by its :class:`~trio_enginecore.client._router.Router`;
+each request is decided by its :class:`~trio_enginecore.client._core._state.ClientState`
+(no I/O); which engine gets it, by its :class:`~trio_enginecore.client._core._router.Router`;
 the coordinator's request wave is followed by its
-:class:`~trio_enginecore.client._router.WaveFollower`. The client adds the
+:class:`~trio_enginecore.client._core._router.WaveFollower`. The client adds the
 checkpoints and the waits, and hands messages to its
 :class:`~trio_enginecore.client._transport.Transport`, which it is given: ZeroMQ to
 engine processes, an engine task in this process, or the scripted engine of
@@ -16,9 +16,9 @@ transport and the routing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, suppress
-from typing import Any, Self
+from typing import Any, Self, final
 
 import trio
 
@@ -26,16 +26,20 @@ from .._request_checks import check_request, check_requests
 from ..config import EngineConfig
 from ..errors import EngineDeadError, UtilityCallError
 from ..protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
-from ._calls import call_engines
-from ._engines import EngineHandle
+from ._core._calls import call_engines
+from ._core._engines import EngineHandle
+from ._core._lb import LoadBalancer
+from ._core._policy import (
+    RESTART_NEEDS_LAUNCHED_ENGINES,
+    FailurePolicy,
+    Policy,
+    Restart,
+    resolve_policy,
+)
+from ._core._router import DataParallelRole, Router, WaveFollower
+from ._core._state import ClientState
+from ._core._stream import RequestStream, StreamBlock, StreamFeed
 from ._interface import AsyncEngineCoreClient, ClientStatistics
-from ._lb import LoadBalancer
-from ._options import FailurePolicy
-from ._policy import RESTART_NEEDS_LAUNCHED_ENGINES, Policy, Restart, resolve_policy
-from ._router import DataParallelRole, Router, WaveFollower
-from ._state import ClientState
-from ._stream import RequestStream, StreamBlock, StreamFeed
-from ._supervision import wait_for_service
 from ._transport import ClientLink, Transport
 
 __all__ = ["TrioEngineClient"]
@@ -121,20 +125,8 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         if self._state.closed:
             raise trio.ClosedResourceError("the engine client was closed")
         self._started = True
-        await self._transport.start(
-            nursery,
-            ClientLink(
-                self._state,
-                self._engine_died,
-                self._waves,
-                self._ping,
-                self._engine_back,
-                self._engine_given_up,
-                self._state.requests_lost,
-                self._state.engine_suspect,
-                self._state.engine_cleared,
-            ),
-        )
+        events = _EngineEvents(self._state, self._router, self._waves, self._transport)
+        await self._transport.start(nursery, events.link(ping=self._ping))
 
     async def __aenter__(self) -> Self:
         """``async with client:``, for a client you started: closes it on the way out.
@@ -148,23 +140,9 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
 
     def _require_started(self) -> None:
         if not self._started:
-            name = type(self).__name__
-            raise RuntimeError(
-                f"this {name} was never started, so it has no engine: open a client with "
-                f"`async with open_engine_client(config) as client:` (or "
-                f"connect_engine_client(nursery, config)), or call "
-                f"`await client.start(nursery)` before using a {name} you built yourself"
-            )
+            raise RuntimeError(_never_started(type(self).__name__))
 
     async def aclose(self) -> None:
-        """Abort in-flight requests, close every stream and call, stop the transport.
-
-        A multiprocess client stops the engines it launched (SIGTERM, then SIGKILL
-        after ``shutdown_timeout_s``), leaves attached engines running (their requests
-        from this client aborted) and closes its sockets. Idempotent. Runs shielded
-        from cancellation (bounded by the transport's timeouts), like every Trio
-        ``aclose``.
-        """
         state = self._state
         if state.closed:
             await trio.lowlevel.checkpoint()
@@ -174,7 +152,7 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             self._waves.announce()  # wakes wave waiters, who then raise
             await self._transport.aclose()
             state.closed = True
-            state.engines_stopped()
+            state.lifecycle.engines_stopped()
             logger.debug("client closed")
 
     # ------------------------------------------------------------ public state
@@ -187,12 +165,21 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
     @property
     def engine_pids(self) -> tuple[int | None, ...]:
         """The process id of each launched engine (None for attached engines)."""
-        return tuple(e.process.pid if e.process else None for e in self._state.engines)
+        return tuple(engine.pid for engine in self._state.engines)
 
     @property
     def failure(self) -> str | None:
         """Why the client is dead (the first engine death, named), or None."""
         return self._state.failure
+
+    def failure_error(self) -> EngineDeadError | None:
+        """The error every call raises now that the client failed, as a fresh copy
+        (the dead engine's rank, pid and location included), or None while it has
+        not failed. Not a checkpoint: for code that must not wait (another thread's
+        view of a client whose loop is ending)."""
+        self._require_started()
+        state = self._state
+        return state.dead_error() if state.failure is not None else None
 
     @property
     def is_dead(self) -> bool:
@@ -267,37 +254,9 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
     # ------------------------------------------------------------ batch API
 
     async def add_request(self, request: EngineCoreRequest) -> None:
-        """Send a request to the engine; its outputs arrive through :meth:`get_output`.
-
-        Sets ``request.client_index`` to this client's index.
-
-        The request is checked first: nothing is sent or registered if it raises.
-
-        Raises:
-            TypeError: a field of the request has the wrong type (the message names
-                it), e.g. a request id that is not a ``str``.
-            ValueError: a request with this id is already in flight on this client, or
-                a field has an impossible value (an empty id, a negative token id).
-            EngineDeadError: the engine has died.
-            trio.ClosedResourceError: the client is shutting down.
-        """
         await self._send_add(request, stream=None)
 
     async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
-        """Send several requests with a single checkpoint.
-
-        Cheaper than one :meth:`add_request` per request when many are ready at once
-        (say, every request that finished in the last step being replaced): the sends
-        go out back to back instead of one per scheduler tick. All-or-nothing with
-        respect to cancellation: if it raises ``Cancelled``, none was sent.
-
-        Raises:
-            TypeError: a field of one request has the wrong type; then none was sent.
-            ValueError: two requests share an id, one is already in flight, or a field
-                has an impossible value; then none was sent.
-            EngineDeadError: the engine has died.
-            trio.ClosedResourceError: the client is shutting down.
-        """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._require_started()
         state = self._state
@@ -313,17 +272,6 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def get_output(self) -> EngineCoreOutputs:
-        """The next engine message with outputs of requests added by :meth:`add_request`.
-
-        Outputs of streamed requests are not delivered here. A caller that keeps up
-        gets each engine message as it was sent; one that fell behind gets an engine's
-        whole backlog folded into one message, outputs in arrival order (no output is
-        ever dropped).
-
-        Raises:
-            EngineDeadError: the engine died and no output is pending.
-            trio.ClosedResourceError: the client was closed.
-        """
         # Every schedule point comes before the take, and nothing can intervene
         # between taking the message and returning it: an abort_requests() that
         # returned before this returns has removed its requests' outputs from what is
@@ -341,19 +289,6 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             await state.batch_ready.wait()
 
     async def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests on the engines that have them. Unknown ids are ignored.
-
-        The engine sends no output for a request it aborts on our behalf, and outputs
-        already received for it are dropped (those of a request that finished but
-        whose outputs ``get_output()`` has not returned yet too): after this returns,
-        ``get_output()`` never returns an output of these requests. A stream of an
-        aborted request ends with a local ``FinishReason.ABORT`` output.
-
-        An aborted request's id may be used again at once: the new request then goes
-        to the engine under a fresh internal id (its ``external_req_id`` is yours), so
-        the old request's late outputs are told apart and dropped; outputs reach you
-        with your id.
-        """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._require_started()
         self._state.abort(request_ids)
@@ -362,49 +297,12 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
     # --------------------------------------------------------------- streams
 
     def stream(self, request: EngineCoreRequest) -> AbstractAsyncContextManager[RequestStream]:
-        """Send ``request`` and stream its outputs.
-
-        ::
-
-            async with client.stream(request) as outputs:
-                async for output in outputs:
-                    ...
-
-        Leaving the block before the request finished (``break``, an exception,
-        cancellation) aborts it on the engine, exactly once, before the block exits:
-        the ABORT is one non-blocking send, with no checkpoint, so cancellation cannot
-        skip it and nothing waits for it. Entering is atomic with respect to
-        cancellation (a cancelled entry sent nothing).
-
-        If the engine rejects or fails the request (it finishes it with
-        ``FinishReason.ERROR``), iterating the stream raises
-        :class:`~trio_enginecore.errors.RequestFailedError` with the engine's message,
-        after every output that came before the error.
-
-        Raises:
-            TypeError, ValueError: on entry, as :meth:`add_request`; nothing was sent.
-            EngineDeadError: the engine has died (on entry, or from the stream).
-        """
         self._require_started()
         return StreamBlock(request, *self._stream_hooks)
 
     # ------------------------------------------------------------- utilities
 
     async def call_utility(self, method: str, *args: Any) -> Any:
-        """Call ``method(*args)`` on the engine and return its (untyped) result.
-
-        With several engines it goes to one of them (rank 0); see
-        ``call_utility_all``. The typed wrappers (``is_sleeping``, ``sleep``, ...)
-        go to every engine.
-
-        Cancellation: the call's bookkeeping is undone and a late reply is dropped, but
-        the engine may still have run the method; only the typed wrappers that are
-        idempotent can simply be retried.
-
-        Raises:
-            UtilityCallError: the method raised on the engine; carries its message.
-            EngineDeadError: the engine died before replying.
-        """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._require_started()
         await self._wait_for_an_engine()
@@ -412,12 +310,6 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         return result
 
     async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every engine in service; one result per engine,
-        by rank (engines a ``route_around`` client took out of service are skipped).
-
-        Cancellation and errors as :meth:`call_utility` (the first engine failure is
-        raised, naming the engine).
-        """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._require_started()
         await self._wait_for_an_engine()
@@ -437,14 +329,6 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             # The client's own checks go on after it failed: under "fail" the other
             # engines' streams keep streaming, and one that hangs must be noticed.
             state.raise_if_unusable()
-        for engine in engines:
-            # A utility the engine's release lacks, or a signature it does not have, is
-            # refused here with the reason, instead of failing on the engine.
-            problem = engine.dialect.utility_problem(method, len(args))
-            if problem is not None:
-                raise UtilityCallError(
-                    method, f"not sent: {engine.describe()} runs {problem}", rank=engine.rank
-                )
         return await call_engines(
             state.calls,
             self._transport.send_utility,
@@ -487,29 +371,90 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
             self._state.forget(wire.request_id)
             raise
 
-    def _engine_died(self, engine: EngineHandle, reason: str) -> None:
-        state = self._state
-        if state.engine_died(engine, reason):
-            self._router.take_out(engine)
-            if state.failure is not None:
-                self._waves.announce()  # wakes wave waiters, who then raise
-            self._transport.engine_death_recorded(engine)
-
     async def _wait_for_an_engine(self) -> None:
         if self._restart is not None and not self._router.live:
             await wait_for_service(self._router, self._state, self._restart.wait_s)
-
-    def _engine_back(self, engine: EngineHandle) -> None:
-        self._state.engine_back(engine)
-        self._router.put_back(engine)
-
-    def _engine_given_up(self, engine: EngineHandle, reason: str) -> None:
-        state = self._state
-        state.engine_given_up(engine, reason)
-        if state.failure is not None:
-            self._waves.announce()
 
     async def _ping(self, engine: EngineHandle) -> None:
         """One utility round trip to ``engine``: any answer, a failure included."""
         with suppress(UtilityCallError):
             await self._call_engines([engine], "is_sleeping", (), internal=True)
+
+
+def _never_started(name: str) -> str:
+    return (
+        f"this {name} was never started, so it has no engine: open a client with "
+        f"`async with open_engine_client(config) as client:` (or "
+        f"connect_engine_client(nursery, config)), or call "
+        f"`await client.start(nursery)` before using a {name} you built yourself"
+    )
+
+
+@final
+class _EngineEvents:
+    """What a client does when its transport reports an engine's death, return or
+    abandonment: the state's lifecycle decides; this carries out what only the client
+    can (routing, the wave waiters, the transport's restart)."""
+
+    __slots__ = ("_router", "_state", "_transport", "_waves")
+
+    def __init__(
+        self, state: ClientState, router: Router, waves: WaveFollower, transport: Transport
+    ) -> None:
+        self._state = state
+        self._router = router
+        self._waves = waves
+        self._transport = transport
+
+    def link(self, *, ping: Callable[[EngineHandle], Awaitable[None]]) -> ClientLink:
+        """What the transport is handed: the state, and these reactions."""
+        lifecycle = self._state.lifecycle
+        return ClientLink(
+            state=self._state,
+            engine_died=self.died,
+            waves=self._waves,
+            ping=ping,
+            engine_back=self.back,
+            engine_given_up=self.given_up,
+            requests_lost=lifecycle.requests_lost,
+            engine_suspect=lifecycle.engine_suspect,
+            engine_cleared=lifecycle.engine_cleared,
+        )
+
+    def died(self, engine: EngineHandle, reason: str) -> None:
+        state = self._state
+        if state.lifecycle.engine_died(engine, reason):
+            self._router.take_out(engine)
+            if state.failure is not None:
+                self._waves.announce()  # wakes wave waiters, who then raise
+            self._transport.engine_death_recorded(engine)
+
+    def back(self, engine: EngineHandle) -> None:
+        self._state.lifecycle.engine_back(engine)
+        self._router.put_back(engine)
+
+    def given_up(self, engine: EngineHandle, reason: str) -> None:
+        state = self._state
+        state.lifecycle.engine_given_up(engine, reason)
+        if state.failure is not None:
+            self._waves.announce()
+
+
+async def wait_for_service(router: Router, state: ClientState, wait_s: float) -> None:
+    """With no engine in service while one restarts, wait up to ``wait_s`` for one to be
+    back. Cancellation changes nothing.
+
+    Raises:
+        EngineDeadError: none was back in time, or the client failed meanwhile.
+        trio.ClosedResourceError: the client closed meanwhile.
+    """
+    with trio.move_on_after(wait_s):
+        while not router.live:
+            await state.engine_returned.wait()
+            state.raise_if_unusable()
+        return
+    restarting = ", ".join(f"{e.describe()} ({e.death})" for e in state.engines if e.restarting)
+    raise EngineDeadError(
+        f"no engine in service after waiting {wait_s:g} s; restarting: {restarting}",
+        retryable=True,
+    )

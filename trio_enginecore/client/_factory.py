@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from contextlib import AbstractAsyncContextManager
 from typing import Literal, Unpack, overload
 
@@ -11,55 +10,26 @@ import attrs
 from ..config import EngineConfig
 from ._client import TrioEngineClient
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
+from ._interface import EngineCoreClient
 from ._mp import TrioMPClient, new_mp_client
 from ._options import ClientOptionKeywords, ClientOptions, InprocOptionKeywords, options_from
 from ._running import run_client
-from ._sync import EngineCoreClient, SyncMPClient
+from ._sync import SyncMPClient
 
-__all__ = ["ClientKind", "make_client", "open_engine_client", "select_client_kind"]
-
-
-class ClientKind(enum.Enum):
-    """The client classes a configuration can select."""
-
-    TRIO_MP = "TrioMPClient"
-    DP_TRIO_MP = "DPTrioMPClient"
-    DPLB_TRIO_MP = "DPLBTrioMPClient"
-    TRIO_INPROC = "TrioInprocClient"
-    SYNC_MP = "SyncMPClient"
-    INPROC = "InprocClient"
+__all__ = ["make_client", "open_engine_client"]
 
 
-def select_client_kind(config: EngineConfig, *, multiprocess: bool, blocking: bool) -> ClientKind:
-    """Which client serves ``config``: the whole selection logic (pure).
-
-    One engine: the Trio or blocking, multiprocess or in-process client asked for.
-    Several (``data_parallel_size > 1``): the Trio multiprocess
-    :class:`~trio_enginecore.client.DPTrioMPClient` owning rank
-    ``data_parallel_rank`` with external load balancing
-    (``data_parallel_external_lb``), else the
-    :class:`~trio_enginecore.client.DPLBTrioMPClient` balancing over all ranks. The
-    blocking :class:`~trio_enginecore.SyncMPClient` runs whichever of those the
-    configuration selects on its thread, so it serves data parallelism too.
+def _check_in_process(config: EngineConfig) -> None:
+    """An in-process client holds one engine: refuse data parallelism.
 
     Raises:
-        NotImplementedError: in-process data-parallel clients (one process cannot hold
-            several engines).
+        NotImplementedError: ``data_parallel_size > 1`` in one process.
     """
     if config.data_parallel_size > 1:
-        if not multiprocess:
-            raise NotImplementedError(
-                f"data_parallel_size={config.data_parallel_size} needs engine processes "
-                "(multiprocess=True)"
-            )
-        if blocking:
-            return ClientKind.SYNC_MP
-        if config.data_parallel_external_lb:
-            return ClientKind.DP_TRIO_MP
-        return ClientKind.DPLB_TRIO_MP
-    if blocking:
-        return ClientKind.SYNC_MP if multiprocess else ClientKind.INPROC
-    return ClientKind.TRIO_MP if multiprocess else ClientKind.TRIO_INPROC
+        raise NotImplementedError(
+            f"data_parallel_size={config.data_parallel_size} needs engine processes "
+            "(multiprocess=True)"
+        )
 
 
 @overload
@@ -201,8 +171,8 @@ def open_engine_client(
             message names the engine and includes its exit code and last stderr lines.
             Its subclass :exc:`~trio_enginecore.errors.AddressError`: an address could
             not be bound, or a ``ListenerFd`` is not a listening stream socket.
-        NotImplementedError: a configuration whose client is not available yet
-            (see :func:`~trio_enginecore.client.select_client_kind`).
+        NotImplementedError: ``data_parallel_size > 1`` with ``multiprocess=False``
+            (one process holds one engine).
         ValueError: an option only multiprocess clients have (addresses, remote
             engines, a coordinator, a load balancer, timeouts, liveness, a failure
             policy) with ``multiprocess=False``; external load balancing launching
@@ -214,9 +184,9 @@ def open_engine_client(
             option.
     """
     config = config if config is not None else EngineConfig()
-    kind = select_client_kind(config, multiprocess=multiprocess, blocking=False)
     options = options_from(options, keywords)
-    if kind is ClientKind.TRIO_INPROC:
+    if not multiprocess:
+        _check_in_process(config)
         inproc = ClientOptions(
             max_pending_outputs=options.max_pending_outputs, client_index=options.client_index
         )
@@ -231,9 +201,10 @@ def open_engine_client(
             client_index=options.client_index,
             cancel_on_failure=cancel_on_failure,
         )
-    # Judged here, before anything starts, by what judges connect_engine_client's
-    # (new_mp_client, plan_topology): the two openers cannot disagree. The client
-    # holds nothing until it is started.
+    # Which class, which ranks, which routing: judged here, before anything starts,
+    # by what judges connect_engine_client's and Ray's (new_mp_client, which asks
+    # DataParallelRole.for_config), so the openers cannot disagree. The client holds
+    # nothing until it is started.
     return run_client(new_mp_client(config, options), cancel_on_failure=cancel_on_failure)
 
 
@@ -269,8 +240,8 @@ def make_client(
             client.
     """
     config = config if config is not None else EngineConfig()
-    kind = select_client_kind(config, multiprocess=multiprocess, blocking=True)
-    if kind is ClientKind.INPROC:
+    if not multiprocess:
+        _check_in_process(config)
         given = sorted(keywords) + (["options"] if options is not None else [])
         if given or cancel_on_failure:
             raise TypeError(f"InprocClient takes no options, got {given or 'cancel_on_failure'}")

@@ -23,11 +23,10 @@ from ..engine import EngineCore, FatalEngineError
 from ..errors import EngineDeadError
 from ..protocol import EngineCoreOutputs, EngineCoreRequest, UtilityOutput, UtilityRequest
 from ._client import TrioEngineClient
-from ._engines import EngineHandle
-from ._interface import ClientStatistics
+from ._core._engines import EngineHandle
+from ._interface import ClientStatistics, EngineCoreClient
+from ._multiprocess._startup import settle_dialects
 from ._running import run_client
-from ._startup import settle_dialects
-from ._sync import EngineCoreClient
 from ._transport import ClientLink
 
 __all__ = ["InprocClient", "InprocTransport", "TrioInprocClient", "open_trio_inproc_client"]

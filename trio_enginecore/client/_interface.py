@@ -1,8 +1,12 @@
-"""The interface of every Trio engine-core client, and the snapshot its statistics give.
+"""The two interfaces of every engine-core client: Trio and blocking.
 
-:class:`AsyncEngineCoreClient` documents every method once: the clients
+:class:`AsyncEngineCoreClient` documents every method once: the Trio clients
 (:class:`~trio_enginecore.TrioMPClient`, the data-parallel ones, the in-process one and
 the test double of :mod:`trio_enginecore.testing`) all implement it.
+:class:`EngineCoreClient` is the same interface, blocking (vLLM's ``EngineCoreClient``),
+implemented by :class:`~trio_enginecore.SyncMPClient` and
+:class:`~trio_enginecore.InprocClient`. Both take their typed utilities from one table
+(:data:`._core._utilities.UTILITIES`), so the two faces cannot drift apart.
 """
 
 from __future__ import annotations
@@ -10,13 +14,21 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Literal, TypeVar, final
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
-import attrs
-
-from ..protocol import CheckpointState, EngineCoreOutputs, EngineCoreRequest, LoRARequest
-from ._stream import RequestStream
-from ._utilities import (
+from ..errors import UtilityCallError
+from ..protocol import (
+    CheckpointState,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LoRARequest,
+    PauseMode,
+    UtilityOutput,
+)
+from ._core._statistics import ClientStatistics, EngineState, EngineStatus
+from ._core._stream import RequestStream
+from ._core._utilities import (
     UTILITIES,
     UtilitySpec,
     combine,
@@ -29,6 +41,7 @@ from ._utilities import (
 __all__ = [
     "AsyncEngineCoreClient",
     "ClientStatistics",
+    "EngineCoreClient",
     "EngineState",
     "EngineStatus",
     "PauseMode",
@@ -36,71 +49,6 @@ __all__ = [
 ]
 
 R = TypeVar("R")
-
-PauseMode = Literal["abort", "wait", "keep"]
-
-
-EngineState = Literal["alive", "suspect", "restarting", "dead"]
-"""Where an engine stands: ``"alive"`` (serving, or still starting), ``"suspect"``
-(serving, but its connection was lost or it has made no progress for a while:
-declared dead if that goes on, back to ``"alive"`` when it shows life),
-``"restarting"`` (it died and is being launched again: the ``restart`` policy),
-``"dead"`` (died, and taken out of routing; or shut down with its client)."""
-
-
-@final
-@attrs.frozen
-class EngineStatus:
-    """One engine, as ``statistics().engines`` shows it."""
-
-    rank: int
-    """The engine's data-parallel rank."""
-    state: EngineState
-    in_flight: int
-    """This client's requests in flight on it."""
-    death: str | None = None
-    """Why it died (the message its failed requests carry), or None."""
-    restarts: int = 0
-    """How many times the client restarted it (the ``restart`` policy)."""
-    location: str | None = None
-    """Where it runs, for remote engines (``RemoteEngines.locations``; a restart
-    may move it), else None."""
-    suspicion: str | None = None
-    """Why it is ``"suspect"``, or None."""
-
-
-@final
-@attrs.frozen
-class ClientStatistics:
-    """A snapshot of a client's state, from :meth:`TrioMPClient.statistics`."""
-
-    requests_in_flight: int
-    """Requests sent and neither finished nor aborted (streams included)."""
-    open_streams: int
-    """Streams whose ``async with`` block has not exited."""
-    pending_utility_calls: int
-    """Your utility calls waiting for their reply (the client's own liveness calls
-    are not counted)."""
-    pending_batches: int
-    """Engine messages waiting for ``get_output()``."""
-    messages_received: int
-    """Messages decoded from the output socket."""
-    outputs_received: int
-    """Per-request outputs in those messages."""
-    tokens_received: int
-    """New token ids in those outputs."""
-    protocol_errors: int
-    """Engine messages (or parts of them) dropped because they broke the protocol:
-    undecodable, from an engine this client does not have, or outputs of one request
-    that cannot be merged."""
-    engines_alive: int
-    """Engines that have neither died nor been shut down."""
-    outputs_dropped: int = 0
-    """Outputs dropped because no request of theirs was in flight: late outputs of an
-    aborted request (normal), and outputs an engine should not have sent (for an
-    unknown id, a second finish, after the finish)."""
-    engines: tuple[EngineStatus, ...] = ()
-    """Each engine's state, by rank."""
 
 
 class AsyncEngineCoreClient(abc.ABC):
@@ -114,28 +62,111 @@ class AsyncEngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     async def add_request(self, request: EngineCoreRequest) -> None:
-        """Submit a request; its outputs arrive through :meth:`get_output`."""
+        """Send a request to the engine; its outputs arrive through :meth:`get_output`.
+
+        Sets ``request.client_index`` to this client's index.
+
+        The request is checked first: nothing is sent or registered if it raises.
+
+        Raises:
+            TypeError: a field of the request has the wrong type (the message names
+                it), e.g. a request id that is not a ``str``.
+            ValueError: a request with this id is already in flight on this client, or
+                a field has an impossible value (an empty id, a negative token id).
+            EngineDeadError: the engine has died.
+            trio.ClosedResourceError: the client is shutting down.
+        """
 
     async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
-        """Submit several requests, as :meth:`add_request` does for one."""
+        """Send several requests with a single checkpoint.
+
+        Cheaper than one :meth:`add_request` per request when many are ready at once
+        (say, every request that finished in the last step being replaced): the sends
+        go out back to back instead of one per scheduler tick. All-or-nothing with
+        respect to cancellation: if it raises ``Cancelled``, none was sent.
+
+        Raises:
+            TypeError: a field of one request has the wrong type; then none was sent.
+            ValueError: two requests share an id, one is already in flight, or a field
+                has an impossible value; then none was sent.
+            EngineDeadError: the engine has died.
+            trio.ClosedResourceError: the client is shutting down.
+        """
         for request in requests:
             await self.add_request(request)
 
     @abc.abstractmethod
     async def get_output(self) -> EngineCoreOutputs:
-        """The next engine message with outputs of requests from :meth:`add_request`."""
+        """The next engine message with outputs of requests added by :meth:`add_request`.
+
+        Outputs of streamed requests are not delivered here. A caller that keeps up
+        gets each engine message as it was sent; one that fell behind gets an engine's
+        whole backlog folded into one message, outputs in arrival order (no output is
+        ever dropped).
+
+        Raises:
+            EngineDeadError: the engine died and no output is pending.
+            trio.ClosedResourceError: the client was closed.
+        """
 
     @abc.abstractmethod
     async def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests; unknown ids are ignored."""
+        """Abort requests on the engines that have them. Unknown ids are ignored.
+
+        The engine sends no output for a request it aborts on our behalf, and outputs
+        already received for it are dropped (those of a request that finished but
+        whose outputs ``get_output()`` has not returned yet too): after this returns,
+        ``get_output()`` never returns an output of these requests. A stream of an
+        aborted request ends with a local ``FinishReason.ABORT`` output.
+
+        An aborted request's id may be used again at once: the new request then goes
+        to the engine under a fresh internal id (its ``external_req_id`` is yours), so
+        the old request's late outputs are told apart and dropped; outputs reach you
+        with your id.
+        """
 
     @abc.abstractmethod
     def stream(self, request: EngineCoreRequest) -> AbstractAsyncContextManager[RequestStream]:
-        """Submit a request and stream its outputs (``async with ... as outputs``)."""
+        """Send ``request`` and stream its outputs.
+
+        ::
+
+            async with client.stream(request) as outputs:
+                async for output in outputs:
+                    ...
+
+        Leaving the block before the request finished (``break``, an exception,
+        cancellation) aborts it on the engine, exactly once, before the block exits:
+        the ABORT is one non-blocking send, with no checkpoint, so cancellation cannot
+        skip it and nothing waits for it. Entering is atomic with respect to
+        cancellation (a cancelled entry sent nothing).
+
+        If the engine rejects or fails the request (it finishes it with
+        ``FinishReason.ERROR``), iterating the stream raises
+        :class:`~trio_enginecore.errors.RequestFailedError` with the engine's message,
+        after every output that came before the error.
+
+        Raises:
+            TypeError, ValueError: on entry, as :meth:`add_request`; nothing was sent.
+            EngineDeadError: the engine has died (on entry, or from the stream).
+        """
 
     @abc.abstractmethod
     async def call_utility(self, method: str, *args: Any) -> Any:
-        """Call a utility method on the engine and return its untyped result."""
+        """Call ``method(*args)`` on the engine and return its (untyped) result.
+
+        With several engines it goes to one of them (rank 0); see
+        ``call_utility_all``. The typed wrappers (``is_sleeping``, ``sleep``, ...)
+        go to every engine.
+
+        Cancellation: the call's bookkeeping is undone and a late reply is dropped, but
+        the engine may still have run the method; only the typed wrappers that are
+        idempotent can simply be retried.
+
+        Raises:
+            UtilityCallError: the method raised on the engine; carries its message.
+            EngineDeadError: the engine died before replying.
+        """
 
     @abc.abstractmethod
     def statistics(self) -> ClientStatistics:
@@ -143,13 +174,21 @@ class AsyncEngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     async def aclose(self) -> None:
-        """Abort in-flight requests and release everything the client holds."""
+        """Abort in-flight requests, close every stream and call, stop the transport.
+
+        A multiprocess client stops the engines it launched (SIGTERM, then SIGKILL
+        after ``shutdown_timeout_s``), leaves attached engines running (their requests
+        from this client aborted) and closes its sockets. Idempotent. Runs shielded
+        from cancellation (bounded by the transport's timeouts), like every Trio
+        ``aclose``.
+        """
 
     async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every engine; one untyped result per engine, by rank.
+        """Call ``method(*args)`` on every engine in service; one result per engine,
+        by rank (engines a ``route_around`` client took out of service are skipped).
 
-        A client with one engine answers ``[await self.call_utility(method, *args)]``.
-        Cancellation and errors as :meth:`call_utility`.
+        Cancellation and errors as :meth:`call_utility` (the first engine failure is
+        raised, naming the engine).
         """
         return [await self.call_utility(method, *args)]
 
@@ -168,7 +207,7 @@ class AsyncEngineCoreClient(abc.ABC):
     async def sleep(
         self,
         level: int = 1,
-        mode: Literal["abort", "wait", "keep"] | None = None,
+        mode: PauseMode | None = None,
         *,
         reset_connector: bool | None = None,
     ) -> None:
@@ -241,7 +280,7 @@ class AsyncEngineCoreClient(abc.ABC):
 
     async def pause_scheduler(
         self,
-        mode: Literal["abort", "wait", "keep"] = "abort",
+        mode: PauseMode = "abort",
         clear_cache: bool = True,
         *,
         reset_connector: bool | None = None,
@@ -272,9 +311,7 @@ class AsyncEngineCoreClient(abc.ABC):
         before sending to older ones)."""
         return await self._utility(UTILITIES.is_inference_ready)
 
-    async def checkpoint_prepare(
-        self, mode: Literal["abort", "wait", "keep"] = "wait"
-    ) -> str | None:
+    async def checkpoint_prepare(self, mode: PauseMode = "wait") -> str | None:
         """Prepare every engine for a process checkpoint (vLLM 0.34): pause with
         ``mode``, then release what a checkpoint must not hold; watch
         :meth:`checkpoint_state` reach ``"prepared"``.
@@ -319,3 +356,184 @@ class AsyncEngineCoreClient(abc.ABC):
         """``(waiting, running)`` of each engine, by rank (see :meth:`get_request_counts`)."""
         spec = UTILITIES.get_request_counts
         return convert_each(spec, await self.call_utility_all(spec.name))
+
+
+class EngineCoreClient(abc.ABC):
+    """The blocking interface of every engine-core client (vLLM's ``EngineCoreClient``).
+
+    The methods are those of :class:`~trio_enginecore.AsyncEngineCoreClient`, blocking.
+    Use it as a context manager: leaving the ``with`` block closes the client.
+    """
+
+    @abc.abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Submit a request; its outputs arrive through :meth:`get_output`."""
+
+    @abc.abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next engine message with outputs of submitted requests."""
+
+    @abc.abstractmethod
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call a utility method on the engine and return its untyped result."""
+
+    @abc.abstractmethod
+    def statistics(self) -> ClientStatistics:
+        """A frozen snapshot of the client's counters."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Abort in-flight requests and release everything. Idempotent."""
+
+    def shutdown(self) -> None:
+        """vLLM's name for :meth:`close`."""
+        self.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @staticmethod
+    def _unwrap(method: str, reply: UtilityOutput) -> Any:
+        if reply.failure_message is not None:
+            raise UtilityCallError(method, reply.failure_message)
+        return reply.result.result if reply.result is not None else None
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every engine; one untyped result per engine, by rank.
+
+        A client with one engine answers ``[self.call_utility(method, *args)]``.
+        """
+        return [self.call_utility(method, *args)]
+
+    def _utility(self, spec: UtilitySpec[R], *args: Any) -> R:
+        # Every typed wrapper, as the Trio interface's: ask every engine, then combine
+        # as the table says.
+        return combine(spec, self.call_utility_all(spec.name, *args))
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine is asleep (with several engines, they must agree)."""
+        return self._utility(UTILITIES.is_sleeping)
+
+    def sleep(
+        self,
+        level: int = 1,
+        mode: PauseMode | None = None,
+        *,
+        reset_connector: bool | None = None,
+    ) -> None:
+        """Put the engine (every engine) to sleep (see the Trio client's ``sleep``)."""
+        return self._utility(UTILITIES.sleep, *sleep_arguments(level, mode, reset_connector))
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the engine up after :meth:`sleep`; whether it is fully awake."""
+        return self._utility(UTILITIES.wake_up, tags)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Clear the engine's prefix cache; False if it could not (requests running)."""
+        return self._utility(UTILITIES.reset_prefix_cache, reset_running_requests, reset_connector)
+
+    def profile(self, is_start: bool = True) -> None:
+        """Start (or stop) the engine's profiler."""
+        return self._utility(UTILITIES.profile, is_start)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter on the engine; False if there is no room."""
+        return self._utility(UTILITIES.add_lora, lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unregister a LoRA adapter; False if it was not registered."""
+        return self._utility(UTILITIES.remove_lora, lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the LoRA adapters registered on the engine."""
+        return self._utility(UTILITIES.list_loras)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a LoRA adapter registered; False if it is not registered."""
+        return self._utility(UTILITIES.pin_lora, lora_id)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """The tasks the engine serves, e.g. ``("generate",)``."""
+        return self._utility(UTILITIES.get_supported_tasks)
+
+    def execute_dummy_batch(self) -> None:
+        """Run the model once on a throwaway batch (a warm-up)."""
+        return self._utility(UTILITIES.execute_dummy_batch)
+
+    def set_weight_version(self, version: str | None) -> None:
+        """Record the weight version the engine reports on its outputs."""
+        return self._utility(UTILITIES.set_weight_version, version)
+
+    def get_weight_version(self) -> str | None:
+        """The weight version set with :meth:`set_weight_version`."""
+        return self._utility(UTILITIES.get_weight_version)
+
+    def pause_scheduler(
+        self,
+        mode: PauseMode = "abort",
+        clear_cache: bool = True,
+        *,
+        reset_connector: bool | None = None,
+    ) -> None:
+        """Pause the engine's scheduler (see the Trio client's ``pause_scheduler``)."""
+        return self._utility(
+            UTILITIES.pause_scheduler, *trailing_given(mode, clear_cache, reset_connector)
+        )
+
+    def release_kv_cache_memory(self, *, reset_connector: bool | None = None) -> None:
+        """Discard the KV cache memory after a completed pause (see the Trio client's
+        ``release_kv_cache_memory``)."""
+        return self._utility(UTILITIES.release_kv_cache_memory, *trailing_given(reset_connector))
+
+    def is_inference_ready(self) -> bool:
+        """Whether every engine would serve a new request now (vLLM 0.34)."""
+        return self._utility(UTILITIES.is_inference_ready)
+
+    def checkpoint_prepare(self, mode: PauseMode = "wait") -> str | None:
+        """Prepare every engine for a process checkpoint (see the Trio client's
+        ``checkpoint_prepare``); the first refusal's reason, or None."""
+        return self._utility(UTILITIES.checkpoint_prepare, mode)
+
+    def checkpoint_restore(self) -> None:
+        """Bring every engine back from a prepared checkpoint."""
+        return self._utility(UTILITIES.checkpoint_restore)
+
+    def checkpoint_state(self) -> tuple[CheckpointState, str | None]:
+        """``(state, error)`` of the engines' process checkpoint, merged."""
+        return self._utility(UTILITIES.checkpoint_state)
+
+    def resume_scheduler(self) -> None:
+        """Resume the engine's scheduler after :meth:`pause_scheduler`."""
+        return self._utility(UTILITIES.resume_scheduler)
+
+    def is_scheduler_paused(self) -> bool:
+        """Whether the engine's scheduler is paused."""
+        return self._utility(UTILITIES.is_scheduler_paused)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(waiting, running)`` request counts of the engine, summed over the engines.
+
+        A reference-engine utility: vLLM 0.33's engines have none (see
+        :meth:`AsyncEngineCoreClient.get_request_counts
+        <trio_enginecore.AsyncEngineCoreClient.get_request_counts>`).
+        """
+        return self._utility(UTILITIES.get_request_counts)
+
+    def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
+        """``(waiting, running)`` of each engine, by rank (see :meth:`get_request_counts`)."""
+        spec = UTILITIES.get_request_counts
+        return convert_each(spec, self.call_utility_all(spec.name))

@@ -1,8 +1,9 @@
 """The multiprocess Trio clients, named as vLLM names them, and their openers.
 
 Each class is a constructor of the one :class:`~trio_enginecore.client.TrioEngineClient`
-with a :class:`~trio_enginecore.client._zmq_transport.ZmqTransport`; they differ only in
-the routing they choose (:class:`~trio_enginecore.client._router.DataParallelRole`):
+over the multiprocess transport (``client/_multiprocess/``); they differ only in the
+routing :meth:`DataParallelRole.for_config
+<trio_enginecore.client._core._router.DataParallelRole.for_config>` chooses:
 
 * :class:`TrioMPClient`: one engine (or, with ``data_parallel_size > 1``, the ranks of
   its configuration, routed to the first);
@@ -16,18 +17,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from typing import Unpack, final
+from typing import Final, Unpack, final
 
 import trio
 
 from ..config import EngineConfig
 from ._client import TrioEngineClient
-from ._lb import LeastLoaded
+from ._core._lb import LeastLoaded
+from ._core._policy import Restart, resolve_policy
+from ._core._router import DataParallelRole
+from ._multiprocess._group import EngineGroup
+from ._multiprocess._pipe import PipeFactory
+from ._multiprocess._zmq_pipe import ZmqPipe
 from ._options import ClientOptionKeywords, ClientOptions, options_from
-from ._policy import Restart, resolve_policy
-from ._router import DataParallelRole
 from ._running import run_client
-from ._zmq_transport import ZmqTransport
 
 __all__ = [
     "DPLBTrioMPClient",
@@ -49,6 +52,9 @@ class TrioMPClient(TrioEngineClient):
     :class:`~trio_enginecore.AsyncEngineCoreClient` for the methods and their
     cancellation semantics.
 
+    ``pipe`` makes the data path between the client and its engines (ZeroMQ sockets,
+    as vLLM's); the engines' lifecycle around it is the same whatever the pipe.
+
     Raises:
         ValueError: inconsistent addresses (see ``open_engine_client``).
     """
@@ -58,15 +64,17 @@ class TrioMPClient(TrioEngineClient):
         config: EngineConfig,
         options: ClientOptions | None = None,
         *,
+        pipe: PipeFactory = ZmqPipe,
         _role: DataParallelRole | None = None,
     ) -> None:
         options = options if options is not None else ClientOptions()
         role = _role if _role is not None else DataParallelRole.single(config)
         self.options = options
         policy = resolve_policy(options.on_engine_failure)
-        self.transport = ZmqTransport(
+        self.transport = EngineGroup(
             config,
             role,
+            pipe=pipe,
             input_address=options.input_address,
             output_address=options.output_address,
             remote=options.remote,
@@ -159,6 +167,16 @@ class DPLBTrioMPClient(TrioMPClient):
         )
 
 
+_CLASS_FOR: Final[dict[str, type[TrioMPClient]]] = {
+    "single": TrioMPClient,
+    "one_rank": DPTrioMPClient,
+    "balanced": DPLBTrioMPClient,
+}
+"""The vLLM-shaped class of each routing: each constructs the same client with that
+routing (the DP classes build the very role :meth:`DataParallelRole.for_config`
+chose, from the same configuration and options)."""
+
+
 def new_mp_client(config: EngineConfig, options: ClientOptions) -> TrioMPClient:
     """One engine: a TrioMPClient; several: a DPTrioMPClient owning one of them
     (external load balancing) or a DPLBTrioMPClient balancing over them all.
@@ -177,13 +195,10 @@ def new_mp_client(config: EngineConfig, options: ClientOptions) -> TrioMPClient:
             "engines this client launches, or that join through its handshake, have one "
             "output (client_index=0)"
         )
-    if config.data_parallel_size == 1:
-        if options.coordinator is not None:
-            raise ValueError("a coordinator is only used with data_parallel_size > 1")
-        return TrioMPClient(config, options)
-    if config.data_parallel_external_lb:
-        return DPTrioMPClient(config, options)
-    return DPLBTrioMPClient(config, options)
+    role = DataParallelRole.for_config(
+        config, load_balancer=options.load_balancer, coordinator=options.coordinator
+    )
+    return _CLASS_FOR[role.kind](config, options)
 
 
 @asynccontextmanager

@@ -8,17 +8,17 @@ them) needs only the options.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, TypedDict, final
+from typing import Any, Final, TypedDict, final
 
 import attrs
 
 from .._listeners import ListenerFd
 from ..coordinator import CoordinatorAddresses
-from ._lb import LoadBalancer
-from ._liveness_rules import DEFAULT_LIVENESS, Liveness
-from ._policy import Restart
-from ._remote import RemoteEngines
-from ._settings_checks import positive_number
+from ._core._lb import LoadBalancer
+from ._core._liveness_rules import DEFAULT_LIVENESS, Liveness
+from ._core._policy import POLICY_NAMES, FailurePolicy, resolve_policy
+from ._core._settings_checks import positive_number
+from ._multiprocess._remote import RemoteEngines
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -29,20 +29,14 @@ __all__ = [
     "options_from",
 ]
 
-FailurePolicy = Literal["fail", "route_around", "restart"] | Restart
-"""What a client does when one of its engines dies (see
-:func:`~trio_enginecore.open_engine_client`'s ``on_engine_failure``); ``"restart"`` is
-``Restart()``."""
 
-FAILURE_POLICIES: Final = ("fail", "route_around", "restart")
+FAILURE_POLICIES: Final = POLICY_NAMES
 
 
 def _failure_policy(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not (isinstance(value, Restart) or value in FAILURE_POLICIES):
-        raise ValueError(
-            f"{attribute.name} must be one of {', '.join(map(repr, FAILURE_POLICIES))} or "
-            f"a Restart(...), got {value!r}"
-        )
+    # The policy module's own judgement, so that the options and the client cannot
+    # disagree on what a policy is; the options keep the value as given.
+    resolve_policy(value)
 
 
 _positive: Final = positive_number(None)

@@ -1,7 +1,7 @@
 """Blocking clients, for code that does not run under Trio.
 
-:class:`EngineCoreClient` is the blocking interface (the same method names as the Trio
-clients, as plain methods). :class:`SyncMPClient` implements it by running a
+:class:`SyncMPClient` implements the blocking interface
+(:class:`~._interface.EngineCoreClient`) by running a
 :class:`~trio_enginecore.TrioMPClient` in a Trio event loop on one background thread and
 reaching it with :func:`trio.from_thread.run`: every socket has exactly one owner (the
 Trio thread), all the Trio client's guarantees carry over, and a blocked call can be
@@ -13,225 +13,30 @@ loop can be gone (closed, ended, ending) reaches a caller as the library's
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from types import TracebackType
-from typing import Any, Literal, Self, TypeVar, Unpack, final
+from typing import Any, TypeVar, Unpack, final
 
 import trio
 
 from ..config import EngineConfig
-from ..errors import UtilityCallError
 from ..protocol import (
-    CheckpointState,
     EngineCoreOutputs,
     EngineCoreRequest,
-    LoRARequest,
-    UtilityOutput,
 )
-from ._interface import ClientStatistics
+from ._interface import ClientStatistics, EngineCoreClient
 from ._mp import TrioMPClient, open_trio_mp_client
 from ._options import ClientOptionKeywords, ClientOptions, options_from
 from ._sync_stream import Portal, Reader, SyncRequestStream
-from ._utilities import (
-    UTILITIES,
-    UtilitySpec,
-    combine,
-    convert_each,
-    sleep_arguments,
-    trailing_given,
-)
 
-__all__ = ["EngineCoreClient", "SyncMPClient", "SyncRequestStream"]
+__all__ = ["SyncMPClient", "SyncRequestStream"]
 
 logger = logging.getLogger("trio_enginecore.client")
 
 R = TypeVar("R")
 T = TypeVar("T")
-
-
-class EngineCoreClient(abc.ABC):
-    """The blocking interface of every engine-core client (vLLM's ``EngineCoreClient``).
-
-    The methods are those of :class:`~trio_enginecore.AsyncEngineCoreClient`, blocking.
-    Use it as a context manager: leaving the ``with`` block closes the client.
-    """
-
-    @abc.abstractmethod
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Submit a request; its outputs arrive through :meth:`get_output`."""
-
-    @abc.abstractmethod
-    def get_output(self) -> EngineCoreOutputs:
-        """The next engine message with outputs of submitted requests."""
-
-    @abc.abstractmethod
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests; unknown ids are ignored."""
-
-    @abc.abstractmethod
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Call a utility method on the engine and return its untyped result."""
-
-    @abc.abstractmethod
-    def statistics(self) -> ClientStatistics:
-        """A frozen snapshot of the client's counters."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Abort in-flight requests and release everything. Idempotent."""
-
-    def shutdown(self) -> None:
-        """vLLM's name for :meth:`close`."""
-        self.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    @staticmethod
-    def _unwrap(method: str, reply: UtilityOutput) -> Any:
-        if reply.failure_message is not None:
-            raise UtilityCallError(method, reply.failure_message)
-        return reply.result.result if reply.result is not None else None
-
-    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every engine; one untyped result per engine, by rank.
-
-        A client with one engine answers ``[self.call_utility(method, *args)]``.
-        """
-        return [self.call_utility(method, *args)]
-
-    def _utility(self, spec: UtilitySpec[R], *args: Any) -> R:
-        # Every typed wrapper, as the Trio interface's: ask every engine, then combine
-        # as the table says.
-        return combine(spec, self.call_utility_all(spec.name, *args))
-
-    def is_sleeping(self) -> bool:
-        """Whether the engine is asleep (with several engines, they must agree)."""
-        return self._utility(UTILITIES.is_sleeping)
-
-    def sleep(
-        self,
-        level: int = 1,
-        mode: Literal["abort", "wait", "keep"] | None = None,
-        *,
-        reset_connector: bool | None = None,
-    ) -> None:
-        """Put the engine (every engine) to sleep (see the Trio client's ``sleep``)."""
-        return self._utility(UTILITIES.sleep, *sleep_arguments(level, mode, reset_connector))
-
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Wake the engine up after :meth:`sleep`; whether it is fully awake."""
-        return self._utility(UTILITIES.wake_up, tags)
-
-    def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False
-    ) -> bool:
-        """Clear the engine's prefix cache; False if it could not (requests running)."""
-        return self._utility(UTILITIES.reset_prefix_cache, reset_running_requests, reset_connector)
-
-    def profile(self, is_start: bool = True) -> None:
-        """Start (or stop) the engine's profiler."""
-        return self._utility(UTILITIES.profile, is_start)
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register a LoRA adapter on the engine; False if there is no room."""
-        return self._utility(UTILITIES.add_lora, lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        """Unregister a LoRA adapter; False if it was not registered."""
-        return self._utility(UTILITIES.remove_lora, lora_id)
-
-    def list_loras(self) -> set[int]:
-        """Ids of the LoRA adapters registered on the engine."""
-        return self._utility(UTILITIES.list_loras)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        """Keep a LoRA adapter registered; False if it is not registered."""
-        return self._utility(UTILITIES.pin_lora, lora_id)
-
-    def get_supported_tasks(self) -> tuple[str, ...]:
-        """The tasks the engine serves, e.g. ``("generate",)``."""
-        return self._utility(UTILITIES.get_supported_tasks)
-
-    def execute_dummy_batch(self) -> None:
-        """Run the model once on a throwaway batch (a warm-up)."""
-        return self._utility(UTILITIES.execute_dummy_batch)
-
-    def set_weight_version(self, version: str | None) -> None:
-        """Record the weight version the engine reports on its outputs."""
-        return self._utility(UTILITIES.set_weight_version, version)
-
-    def get_weight_version(self) -> str | None:
-        """The weight version set with :meth:`set_weight_version`."""
-        return self._utility(UTILITIES.get_weight_version)
-
-    def pause_scheduler(
-        self,
-        mode: Literal["abort", "wait", "keep"] = "abort",
-        clear_cache: bool = True,
-        *,
-        reset_connector: bool | None = None,
-    ) -> None:
-        """Pause the engine's scheduler (see the Trio client's ``pause_scheduler``)."""
-        return self._utility(
-            UTILITIES.pause_scheduler, *trailing_given(mode, clear_cache, reset_connector)
-        )
-
-    def release_kv_cache_memory(self, *, reset_connector: bool | None = None) -> None:
-        """Discard the KV cache memory after a completed pause (see the Trio client's
-        ``release_kv_cache_memory``)."""
-        return self._utility(UTILITIES.release_kv_cache_memory, *trailing_given(reset_connector))
-
-    def is_inference_ready(self) -> bool:
-        """Whether every engine would serve a new request now (vLLM 0.34)."""
-        return self._utility(UTILITIES.is_inference_ready)
-
-    def checkpoint_prepare(self, mode: Literal["abort", "wait", "keep"] = "wait") -> str | None:
-        """Prepare every engine for a process checkpoint (see the Trio client's
-        ``checkpoint_prepare``); the first refusal's reason, or None."""
-        return self._utility(UTILITIES.checkpoint_prepare, mode)
-
-    def checkpoint_restore(self) -> None:
-        """Bring every engine back from a prepared checkpoint."""
-        return self._utility(UTILITIES.checkpoint_restore)
-
-    def checkpoint_state(self) -> tuple[CheckpointState, str | None]:
-        """``(state, error)`` of the engines' process checkpoint, merged."""
-        return self._utility(UTILITIES.checkpoint_state)
-
-    def resume_scheduler(self) -> None:
-        """Resume the engine's scheduler after :meth:`pause_scheduler`."""
-        return self._utility(UTILITIES.resume_scheduler)
-
-    def is_scheduler_paused(self) -> bool:
-        """Whether the engine's scheduler is paused."""
-        return self._utility(UTILITIES.is_scheduler_paused)
-
-    def get_request_counts(self) -> tuple[int, int]:
-        """``(waiting, running)`` request counts of the engine, summed over the engines.
-
-        A reference-engine utility: vLLM 0.33's engines have none (see
-        :meth:`AsyncEngineCoreClient.get_request_counts
-        <trio_enginecore.AsyncEngineCoreClient.get_request_counts>`).
-        """
-        return self._utility(UTILITIES.get_request_counts)
-
-    def get_request_counts_per_engine(self) -> list[tuple[int, int]]:
-        """``(waiting, running)`` of each engine, by rank (see :meth:`get_request_counts`)."""
-        spec = UTILITIES.get_request_counts
-        return convert_each(spec, self.call_utility_all(spec.name))
 
 
 @final

@@ -15,14 +15,17 @@ import threading
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any, Generic, Self, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, final
 
 import trio
 
 from ..errors import EngineDeadError
 from ..protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from ._mp import TrioMPClient
-from ._stream import RequestStream
+from ._core._stream import RequestStream
+
+if TYPE_CHECKING:
+    # Only a type here: the blocking client (._sync) creates the Trio client.
+    from ._mp import TrioMPClient
 
 __all__ = ["CLOSED", "Portal", "Reader", "SyncRequestStream"]
 
@@ -73,8 +76,9 @@ class Portal:
             # details included).
             return copy.copy(ended)
         client = self.client
-        if client is not None and client.failure is not None:
-            return EngineDeadError(client.failure)
+        death = client.failure_error() if client is not None else None
+        if death is not None:
+            return death
         if ended is not None and not self.closed:
             return EngineDeadError(f"the engine client stopped: {ended}")
         return EngineDeadError(CLOSED)

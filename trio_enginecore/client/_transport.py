@@ -1,37 +1,41 @@
 """The seam between a client and the way its messages travel.
 
-A :class:`Transport` moves requests to engines and their messages back: over ZeroMQ
-to engine processes (:class:`~trio_enginecore.client._zmq_transport.ZmqTransport`), to
-an engine running as a task (the in-process client), or to the scripted engine of
-:mod:`trio_enginecore.testing`. The one client class,
-:class:`~trio_enginecore.client.TrioEngineClient`, is given a transport, as
-trio-websocket's connection is given its stream, and never looks behind it.
+A :class:`Transport` moves requests to engines and their messages back: to engine
+processes (:class:`~trio_enginecore.client._multiprocess._group.EngineGroup`, whose data
+path is a message pipe, ZeroMQ by default), to an engine running as a task (the
+in-process client), or to the scripted engine of :mod:`trio_enginecore.testing`. The one
+client class, :class:`~trio_enginecore.client.TrioEngineClient`, is given a transport,
+as trio-websocket's connection is given its stream, and never looks behind it.
 
 What the transport may do to its client is in the :class:`ClientLink` it is handed
 when it starts: feed decoded engine messages to the client's state (one direct call
 per message, the receive hot path), report an engine's death, feed the coordinator's
 publications to the client's wave follower, and ping an engine through the client's
-utility machinery (for its liveness calls).
+utility machinery (for its liveness calls). It is built with keywords only: several of
+its callbacks have the same type, and a swap would type-check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol, final
+from typing import TYPE_CHECKING, Protocol, final
 
 import attrs
 import trio
 
 from ..protocol import EngineCoreRequest, UtilityRequest
-from ._engines import EngineHandle
-from ._router import WaveFollower
-from ._state import ClientState
+from ._core._engines import EngineHandle
+from ._core._router import WaveFollower
+
+if TYPE_CHECKING:
+    # Only a type here: the client hands its state over in the link.
+    from ._core._state import ClientState
 
 __all__ = ["ClientLink", "Transport"]
 
 
 @final
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class ClientLink:
     """What a transport may do to the client it serves."""
 

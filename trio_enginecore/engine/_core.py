@@ -19,7 +19,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, Literal, TypeVar, cast, get_type_hints
+from typing import Any, Final, TypeVar, cast, get_type_hints, overload
 
 import msgspec
 import numpy as np
@@ -36,6 +36,7 @@ from ..protocol import (
     EngineCoreRequest,
     FinishReason,
     LoRARequest,
+    PauseMode,
     RequestError,
     SchedulerStats,
     UtilityOutput,
@@ -49,7 +50,6 @@ logger = logging.getLogger("trio_enginecore.engine")
 
 BLOCK_SIZE: Final = 16
 """Tokens per KV-cache block, as reported in the ready response."""
-PauseMode = Literal["abort", "wait", "keep"]
 _PAUSE_MODES: Final = ("abort", "wait", "keep")
 _RESTORED: Final[tuple[CheckpointState, ...]] = ("running", "restoring")
 _FAULT_INJECTION: Final = frozenset({"inject_fault", "stall", "stall_steps"})
@@ -69,11 +69,28 @@ class _Deferred:
 
 _DEFERRED: Final = _Deferred()
 
+Caller = tuple[int, int]
+"""Who called a utility, to reply to later: ``(client_index, call_id)``."""
 
-def utility(method: F) -> F:
-    """Mark an :class:`EngineCore` method as callable by clients through UTILITY."""
-    method.__engine_utility__ = True  # type: ignore[attr-defined]
-    return method
+
+@overload
+def utility(method: F, /) -> F: ...
+@overload
+def utility(*, deferred: bool = False) -> Callable[[F], F]: ...
+def utility(method: F | None = None, /, *, deferred: bool = False) -> F | Callable[[F], F]:
+    """Mark an :class:`EngineCore` method as callable by clients through UTILITY.
+
+    ``@utility(deferred=True)`` marks one that may reply later: it is called with the
+    ``caller`` keyword (a ``Caller``) besides the client's arguments, and returns
+    ``_DEFERRED`` when the engine will send the reply itself, later, to that caller.
+    """
+
+    def mark(function: F) -> F:
+        function.__engine_utility__ = True  # type: ignore[attr-defined]
+        function.__engine_deferred__ = deferred  # type: ignore[attr-defined]
+        return function
+
+    return mark if method is None else mark(method)
 
 
 class _State(enum.Enum):
@@ -266,7 +283,7 @@ class EngineCore:
         """What vLLM's executor would have put to sleep: ``weights`` and ``kv_cache``
         after :meth:`sleep`, ``kv_cache`` after :meth:`release_kv_cache_memory`."""
         self._paused = False
-        self._pause_waiters: list[tuple[int, int]] = []  # (client_index, call_id)
+        self._pause_waiters: list[Caller] = []
         self._draining_for_pause = False
         self._checkpoint: CheckpointState = "running"
         self._loras: dict[int, LoRARequest] = {}
@@ -282,13 +299,18 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, *, decoded: bool = False) -> None:
         """Queue a request, or (if it is invalid) an ERROR output for it.
 
         Never raises for a bad request: the client learns why through an output with
         ``FinishReason.ERROR`` and a :class:`~trio_enginecore.protocol.RequestError`.
+
+        ``decoded``: the request came off the wire through the typed decoder, which
+        already checked every field's type and the sampling parameters' ranges (in
+        their ``__post_init__``); a request handed over in-process (the default) is
+        checked field by field here, as a client checks what it sends.
         """
-        problem = self._validate(request)
+        problem = self._validate(request, decoded=decoded)
         if problem is not None:
             logger.warning("rejecting request %r: %s", request.request_id, problem)
             self.reject(request.request_id, request.client_index, problem)
@@ -320,13 +342,14 @@ class EngineCore:
         self._requests[state.request_id] = state
         self._waiting.append(state)
 
-    def _validate(self, request: EngineCoreRequest) -> str | None:
-        try:
-            # What a typed decoder guarantees for requests off the wire, checked for
-            # the ones handed over in-process, which nothing decoded.
-            check_request(request)
-        except (TypeError, ValueError) as exc:
-            return str(exc)
+    def _validate(self, request: EngineCoreRequest, *, decoded: bool) -> str | None:
+        if not decoded:
+            try:
+                # What a typed decoder guarantees for requests off the wire, checked
+                # for the ones handed over in-process, which nothing decoded.
+                check_request(request)
+            except (TypeError, ValueError) as exc:
+                return str(exc)
         if request.request_id in self._requests:
             return f"a request with id {request.request_id!r} is already in flight"
         if request.sampling_params is None:
@@ -614,11 +637,11 @@ class EngineCore:
         function: Callable[..., Any] | None = getattr(type(self), method, None)
         if function is None or not getattr(function, "__engine_utility__", False):
             raise AttributeError(f"the engine has no utility method {method!r}")
-        if method == "pause_scheduler":
-            return self._pause_scheduler_call(client_index, call_id, args)
         if method in _FAULT_INJECTION and not self.config.enable_fault_injection:
             raise PermissionError("fault injection is disabled on this engine")
         bound = getattr(self, method)
+        if getattr(function, "__engine_deferred__", False):
+            return bound(*_convert_args(function, args), caller=(client_index, call_id))
         return bound(*_convert_args(function, args))
 
     @utility
@@ -754,21 +777,24 @@ class EngineCore:
         """The weight version set by :meth:`set_weight_version`, if any."""
         return self._weight_version
 
-    @utility
+    @utility(deferred=True)
     def pause_scheduler(
-        self, mode: PauseMode = "abort", clear_cache: bool = True, reset_connector: bool = True
-    ) -> None:
+        self,
+        mode: PauseMode = "abort",
+        clear_cache: bool = True,
+        reset_connector: bool = True,
+        *,
+        caller: Caller,
+    ) -> _Deferred | None:
         """Stop scheduling. ``abort``: abort in-flight requests (clients get ABORT);
         ``wait``: let running requests finish first (the reply comes then); ``keep``:
         freeze in-flight requests where they are. New requests queue until resumed.
         ``reset_connector`` (vLLM 0.34) means nothing here: there is no KV connector."""
-        raise AssertionError("dispatched through _pause_scheduler_call")  # pragma: no cover
+        return self._pause(mode, clear_cache, waiter=caller)
 
-    def _pause_scheduler_call(self, client_index: int, call_id: int, args: Sequence[Any]) -> Any:
-        mode, clear_cache, _ = _convert_args(EngineCore.pause_scheduler, args)
-        return self._pause(mode, clear_cache, waiter=(client_index, call_id))
-
-    def _pause(self, mode: PauseMode, clear_cache: bool, waiter: tuple[int, int] | None) -> Any:
+    def _pause(self, mode: PauseMode, clear_cache: bool, waiter: Caller | None) -> _Deferred | None:
+        """Pause, or (``wait`` with requests running) start draining for a pause:
+        ``waiter`` then gets its reply once drained, and ``_DEFERRED`` is returned."""
         _check_pause_mode(mode)
         if self._paused:
             return None
@@ -790,10 +816,14 @@ class EngineCore:
         if self._draining_for_pause and not self._running:
             self._draining_for_pause = False
             self._paused = True
-            for client_index, call_id in self._pause_waiters:
-                self._reply(client_index, call_id, None)
-            self._pause_waiters.clear()
+            self._answer_pause_waiters()
             self._pause_completed()
+
+    def _answer_pause_waiters(self) -> None:
+        """Reply to every ``pause_scheduler("wait")`` call still waiting."""
+        for client_index, call_id in self._pause_waiters:
+            self._reply(client_index, call_id, None)
+        self._pause_waiters.clear()
 
     def _pause_completed(self) -> None:
         if self._checkpoint == "preparing":
@@ -814,9 +844,7 @@ class EngineCore:
         if self._draining_for_pause:
             # A resume overtakes a pending pause(wait): that call completes now.
             self._draining_for_pause = False
-            for client_index, call_id in self._pause_waiters:
-                self._reply(client_index, call_id, None)
-            self._pause_waiters.clear()
+            self._answer_pause_waiters()
 
     @utility
     def is_scheduler_paused(self) -> bool:
@@ -982,7 +1010,12 @@ def _convert_args(function: Callable[..., Any], args: Sequence[Any]) -> list[Any
     failure of that call (reported to the client), never of the engine.
     """
     signature = inspect.signature(function)
-    params = [p for p in signature.parameters.values() if p.name != "self"]
+    # Keyword-only parameters are the engine's own (a deferred utility's caller).
+    params = [
+        p
+        for p in signature.parameters.values()
+        if p.name != "self" and p.kind is not p.KEYWORD_ONLY
+    ]
     if len(args) > len(params):
         raise TypeError(f"takes at most {len(params)} arguments ({len(args)} given)")
     hints = get_type_hints(function)

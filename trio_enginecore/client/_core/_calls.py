@@ -17,8 +17,8 @@ from typing import Any, Final, final
 import attrs
 import trio
 
-from ..errors import UtilityCallError
-from ..protocol import (
+from ...errors import UtilityCallError
+from ...protocol import (
     EEP_NOTIFICATION_CALL_ID,
     FT_STATUS_CALL_ID,
     UtilityOutput,
@@ -127,13 +127,20 @@ async def call_engines(
     Raises:
         EngineDeadError: an engine is dead, or died before replying.
         UtilityCallError: the method raised on an engine (its rank named when several
-            were asked).
+            were asked); or an engine's vLLM release lacks the method, or takes other
+            arguments (refused before anything is sent, with the reason, rather than
+            failing on the engine).
     """
     for engine in engines:
         if not engine.alive:
             raise engine.death_notice(
                 f"{engine.describe()} died: {engine.death}", retryable=engine.restarting
             ).error()
+        problem = engine.dialect.utility_problem(method, len(args))
+        if problem is not None:
+            raise UtilityCallError(
+                method, f"not sent: {engine.describe()} runs {problem}", rank=engine.rank
+            )
     pending: list[tuple[int, UtilityCall]] = []
     try:
         for engine in engines:

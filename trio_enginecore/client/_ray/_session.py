@@ -6,7 +6,7 @@ remote-engine machinery the client already has. :func:`open_ray_engine_client`
 1. connects to the Ray cluster (or starts a local one, which it then owns);
 2. reserves one placement-group bundle per data-parallel rank of the client
    (``resources_per_engine``, ``strategy``) and waits until the group is placed;
-3. creates one :class:`~._ray_actor.EngineActor` per rank, pinned to its bundle, and
+3. creates one :class:`~._actor.EngineActor` per rank, pinned to its bundle, and
    asks each where it runs (node id and address, worker pid, actor id);
 4. with CURVE, gets each engine's public key (``"ephemeral"``: the actor makes the
    pair on its own node) or uses the key files the operator put on the nodes;
@@ -47,14 +47,14 @@ from typing import Any, Final, TypeVar, Unpack, final
 import attrs
 import trio
 
-from .._curve import CurveKeyPair, CurveServer, load_public_key
-from ..config import EngineConfig
-from ..errors import EngineStartupError
-from ._factory import open_engine_client
-from ._mp import TrioMPClient
-from ._options import ClientOptionKeywords, ClientOptions, options_from
-from ._ray_engines import RayEngines, client_ranks, describe_location
-from ._remote import RemoteEngines, RestartedEngine, free_tcp_ports
+from ..._curve import CurveKeyPair, CurveServer, load_public_key
+from ...config import EngineConfig
+from ...errors import EngineStartupError
+from .._core._router import DataParallelRole
+from .._mp import TrioMPClient, open_trio_mp_client
+from .._multiprocess._remote import RemoteEngines, RestartedEngine, free_tcp_ports
+from .._options import ClientOptionKeywords, ClientOptions, options_from
+from ._settings import RayEngines, describe_location
 
 __all__ = ["RaySession", "open_ray_engine_client"]
 
@@ -227,7 +227,7 @@ class RaySession:
     def _create_actor_objects(self, ranks: Sequence[int]) -> dict[int, Any]:
         ray = self.ray
         strategies: Any = importlib.import_module("ray.util.scheduling_strategies")
-        from ._ray_actor import EngineActor
+        from ._actor import EngineActor
 
         actor_class: Any = ray.remote(EngineActor)
         resources = dict(self.spec.resources_per_engine)
@@ -377,8 +377,10 @@ async def open_ray_engine_client(
     _check_options(options)
     session = RaySession(spec)
     try:
-        remote = await session.start(config, client_ranks(config))
-        async with open_engine_client(
+        remote = await session.start(config, DataParallelRole.for_config(config).ranks)
+        # The multiprocess opener open_engine_client would call: the same judgement of
+        # the configuration (new_mp_client) as every other opener.
+        async with open_trio_mp_client(
             config, attrs.evolve(options, remote=remote), cancel_on_failure=cancel_on_failure
         ) as client:
             yield client

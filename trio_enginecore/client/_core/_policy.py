@@ -23,8 +23,10 @@ import attrs
 from ._settings_checks import positive_number
 
 __all__ = [
+    "POLICY_NAMES",
     "RESTART_NEEDS_LAUNCHED_ENGINES",
     "Fail",
+    "FailurePolicy",
     "Policy",
     "Restart",
     "RestartBudget",
@@ -123,6 +125,9 @@ _NAMED: Final[dict[str, Policy]] = {
     "restart": Restart(),
 }
 
+POLICY_NAMES: Final = tuple(_NAMED)
+"""The names ``on_engine_failure`` accepts, in the order messages list them."""
+
 
 def resolve_policy(value: object) -> Policy:
     """The policy ``value`` names: ``"fail"``, ``"route_around"``, ``"restart"`` (the
@@ -139,6 +144,12 @@ def resolve_policy(value: object) -> Policy:
         f"on_engine_failure must be one of {', '.join(map(repr, _NAMED))} or a "
         f"Restart(...), got {value!r}"
     )
+
+
+FailurePolicy = Literal["fail", "route_around", "restart"] | Restart
+"""What a client does when one of its engines dies (see
+:func:`~trio_enginecore.open_engine_client`'s ``on_engine_failure``); ``"restart"`` is
+``Restart()``."""
 
 
 @final

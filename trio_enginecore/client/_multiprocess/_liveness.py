@@ -8,7 +8,7 @@ apply them, each reporting to the client's state, which decides (see
 * :class:`ConnectionWatch`: an engine's connection to the input socket closes, or goes
   silent under ZeroMQ heartbeats (killed, stopped, cut off), whatever kind of engine
   it is; it is suspect at once and dead unless it shows life on a new connection
-  within :data:`~._liveness_rules.RECONNECT_GRACE_S`;
+  within :data:`~.._core._liveness_rules.RECONNECT_GRACE_S`;
 * :class:`ProgressWatch`: an engine with work makes no progress for
   ``progress_timeout_s`` (hung), with a cheap utility call every so often
   (:func:`keep_asking`) so that an idle engine has work too;
@@ -16,26 +16,33 @@ apply them, each reporting to the client's state, which decides (see
   say who sent it: with several engines the sender exits right after (or its
   connection closes), and that says which it was; if nothing does within a bounded
   time, every engine is failed.
+
+:class:`EngineWatches` starts them for an engine group (:mod:`._group`) and stops them
+first when it closes, so that none reports the deaths the shutdown causes.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Final, final
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Final, final
 
 import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .._zmq import TrioSocket
-from ..errors import EngineDeadError
-from ._engines import EngineHandle
-from ._liveness_rules import RECONNECT_GRACE_S, ConnectionTable, Liveness, ProgressClock
-from ._transport import ClientLink
+from ..._zmq import TrioSocket
+from ...errors import EngineDeadError
+from .._core._engines import EngineHandle
+from .._core._liveness_rules import RECONNECT_GRACE_S, ConnectionTable, Liveness, ProgressClock
+from .._transport import ClientLink
+from ._launch import LaunchedProcesses, exit_description
 
 __all__ = [
     "ConnectionWatch",
     "DeathAttribution",
+    "EngineWatches",
     "ProgressWatch",
     "keep_asking",
     "watch_process",
@@ -49,41 +56,37 @@ _GRACE_POLL_S: Final = 0.02
 _GRACE_ASK_S: Final = 0.1
 
 
-def _kill_if_ours(engine: EngineHandle) -> str:
+def _kill_if_ours(engine: EngineHandle, processes: LaunchedProcesses) -> str:
     """Kill the engine's process if the client launched it and it still runs (a hung
     or stopped engine holds memory and devices until it goes): what to add to the
     reason."""
-    process = engine.process
-    if process is not None and process.returncode is None:
-        process.kill()
+    launched = processes.get(engine)
+    if launched is not None and launched.kill_if_running():
         return "; killed it"
     return ""
 
 
-def _exited(engine: EngineHandle) -> bool:
-    # A launched engine that exited: its exit, with its code and last stderr lines,
-    # says more than its lost connection; watch_process reports it.
-    return engine.process is not None and engine.process.returncode is not None
-
-
-async def watch_process(engine: EngineHandle, link: ClientLink) -> None:
-    """Report a launched engine's exit as its death, unless the client is closing
-    (then the exit is the one it asked for). Its last stderr lines go in the reason."""
-    process = engine.process
-    assert process is not None
-    code = await process.wait()
+async def watch_process(
+    engine: EngineHandle, processes: LaunchedProcesses, link: ClientLink
+) -> None:
+    """Report the exit of ``engine``'s launched process as its death, unless the
+    client is closing (then the exit is the one it asked for) or the process was
+    replaced meanwhile. Its last stderr lines go in the reason. Returns when the
+    process has exited; cancelled, it reports nothing."""
+    launched = processes.get(engine)
+    assert launched is not None
+    code = await launched.process.wait()
     if not link.state.closing:
-        with trio.move_on_after(_STDERR_WAIT_S):
-            await engine.stderr_done.wait()
-        if engine.process is process:
-            link.engine_died(engine, engine.exit_description(with_name=False))
+        await launched.wait_stderr(_STDERR_WAIT_S)
+        if processes.get(engine) is launched:
+            link.engine_died(engine, exit_description(engine, launched, with_name=False))
         logger.debug("engine exit code %d", code)
 
 
 @final
 class ConnectionWatch:
     """Follows the connections of the client's input ROUTER, and reports an engine
-    whose connection was lost (see :class:`~._liveness_rules.ConnectionTable`).
+    whose connection was lost (see :class:`~.._core._liveness_rules.ConnectionTable`).
 
     Create it before the socket is bound, so that no connection is missed; claim each
     engine's connection with the descriptor its ready message came on (:meth:`claim`);
@@ -93,12 +96,21 @@ class ConnectionWatch:
         sock: the input ROUTER (with heartbeats set).
         link: the client's link.
         liveness: the settings (for the messages).
+        processes: the engines the client launched (killed if still running when
+            declared dead; an exited one is left to :func:`watch_process`).
     """
 
-    def __init__(self, sock: TrioSocket, link: ClientLink, liveness: Liveness) -> None:
+    def __init__(
+        self,
+        sock: TrioSocket,
+        link: ClientLink,
+        liveness: Liveness,
+        processes: LaunchedProcesses,
+    ) -> None:
         self.sock = sock
         self.link = link
         self.liveness = liveness
+        self.processes = processes
         self.table = ConnectionTable()
         self.monitor = TrioSocket(sock.raw.get_monitor_socket(_MONITORED))
         self._claims: list[tuple[int, EngineHandle]] = []
@@ -193,12 +205,14 @@ class ConnectionWatch:
                             break
                         await trio.sleep(_GRACE_POLL_S)
                 asking.cancel_scope.cancel()
-            if grace.cancelled_caught and engine.alive and not _exited(engine):
+            # A launched engine that exited: its exit, with its code and last stderr
+            # lines, says more than its lost connection; watch_process reports it.
+            if grace.cancelled_caught and engine.alive and not self.processes.exited(engine):
                 reason = (
                     f"{suspicion} and not made again within {RECONNECT_GRACE_S:g} s: it "
                     "was killed or stopped, or the network between us failed"
                 )
-                self.link.engine_died(engine, reason + _kill_if_ours(engine))
+                self.link.engine_died(engine, reason + _kill_if_ours(engine, self.processes))
         finally:
             self._in_grace.discard(id(engine))
 
@@ -239,16 +253,18 @@ async def keep_asking(engine: EngineHandle, link: ClientLink, interval_s: float)
 @final
 class ProgressWatch:
     """Declares dead an engine that has made no progress for ``timeout_s`` while it had
-    work (see :class:`~._liveness_rules.ProgressClock`); suspect after half of it.
+    work (see :class:`~.._core._liveness_rules.ProgressClock`); suspect after half of it.
 
     Args:
         link: the client's link.
         timeout_s: the progress timeout.
+        processes: the engines the client launched (a hung one is killed).
     """
 
-    def __init__(self, link: ClientLink, timeout_s: float) -> None:
+    def __init__(self, link: ClientLink, timeout_s: float, processes: LaunchedProcesses) -> None:
         self.link = link
         self.timeout_s = timeout_s
+        self.processes = processes
         self._clocks: dict[int, ProgressClock] = {}
         self._suspected: set[int] = set()
 
@@ -276,7 +292,8 @@ class ProgressWatch:
             )
             if stalled >= self.timeout_s:
                 self._suspected.discard(key)
-                self.link.engine_died(engine, self._hung(stalled, requests) + _kill_if_ours(engine))
+                reason = self._hung(stalled, requests) + _kill_if_ours(engine, self.processes)
+                self.link.engine_died(engine, reason)
             elif stalled >= self.timeout_s / 2:
                 if key not in self._suspected and self.link.engine_suspect(
                     engine, f"no progress for {stalled:.1f} s with {requests} request(s) pending"
@@ -339,3 +356,92 @@ class DeathAttribution:
                 "an engine reported a fatal error (ENGINE_CORE_DEAD) and none could be "
                 f"identified as the sender within {window_s:g} s",
             )
+
+
+@final
+class EngineWatches:
+    """Every watch of an engine group's engines (see the module docstring).
+
+    Args:
+        link: the client's link.
+        liveness: the settings (None: a launched engine's exit only).
+        processes: the engines the group launched.
+        attribution_window_s: see :class:`DeathAttribution`.
+    """
+
+    def __init__(
+        self,
+        link: ClientLink,
+        liveness: Liveness | None,
+        processes: LaunchedProcesses,
+        attribution_window_s: float | None,
+    ) -> None:
+        self.link = link
+        self.liveness = liveness
+        self.processes = processes
+        self.deaths = DeathAttribution(link, attribution_window_s)
+        self.connections: ConnectionWatch | None = None
+        self._nursery: trio.Nursery | None = None
+        self._scopes: set[trio.CancelScope] = set()
+
+    async def watch_connections(
+        self,
+        sock: TrioSocket | None,
+        nursery: trio.Nursery,
+        run_socket_task: Callable[..., Awaitable[None]],
+    ) -> None:
+        """Heartbeats on ``sock`` (the message pipe's connection socket, not bound
+        yet, so that no engine's connection is missed), and the watch of its
+        connections, started in ``nursery`` through ``run_socket_task`` (it owns a
+        monitor socket). Not a checkpoint if there is nothing to watch."""
+        liveness = self.liveness
+        if liveness is None or liveness.heartbeat_interval_s is None or sock is None:
+            return
+        for name, value in liveness.heartbeat_options.items():
+            sock.raw.set(getattr(zmq, name), value)
+        self.connections = ConnectionWatch(sock, self.link, liveness, self.processes)
+        await nursery.start(run_socket_task, self.connections.run)
+
+    def came_on(self, fd: int, engine: EngineHandle) -> None:
+        """``engine``'s ready message came on connection ``fd``."""
+        if self.connections is not None:
+            self.connections.claim(fd, engine)
+
+    def watch_process(self, nursery: trio.Nursery, engine: EngineHandle) -> None:
+        """Watch the process just launched for ``engine`` (:func:`watch_process`)."""
+        nursery.start_soon(watch_process, engine, self.processes, self.link)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Every engine is ready: start the liveness calls and the progress watch."""
+        self._nursery = nursery
+        for engine in self.link.state.engines:
+            self.keep_asking(engine)
+        liveness = self.liveness
+        if liveness is not None and liveness.progress_timeout_s is not None:
+            watch = ProgressWatch(self.link, liveness.progress_timeout_s, self.processes)
+            nursery.start_soon(self._run, watch.run)
+
+    def keep_asking(self, engine: EngineHandle) -> None:
+        """Ask ``engine`` a cheap utility every so often (see :func:`keep_asking`), if
+        the settings say so: at the start, and when a restarted engine is back."""
+        liveness = self.liveness
+        interval = liveness.ping_interval_s if liveness is not None else None
+        if interval is not None and self._nursery is not None:
+            self._nursery.start_soon(self._run, partial(keep_asking, engine, self.link, interval))
+
+    def reported_dead(self, nursery: trio.Nursery) -> Callable[[], None]:
+        """What the receive task calls for each ENGINE_CORE_DEAD."""
+        return partial(self.deaths.reported_dead, nursery)
+
+    def stop(self) -> None:
+        """Stop the liveness calls and the progress watch (the group is closing)."""
+        for scope in self._scopes:
+            scope.cancel()
+
+    async def _run(self, watch: Callable[[], Awaitable[Any]]) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                await watch()
+            finally:
+                self._scopes.discard(scope)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, final
 import msgspec
 import trio
 
-from ..errors import EngineCoreError, EngineDeadError, RequestFailedError
-from ..protocol import EngineCoreOutput, FinishReason, RequestError
+from ...errors import EngineCoreError, EngineDeadError, RequestFailedError
+from ...protocol import EngineCoreOutput, FinishReason, RequestError
 from ._collector import merge_outputs
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from types import TracebackType
 
-    from ..protocol import EngineCoreRequest
+    from ...protocol import EngineCoreRequest
 
 __all__ = ["RequestStream", "StreamBlock", "StreamFeed", "open_request_stream"]
 

@@ -2,14 +2,14 @@
 
 Two tasks of a multiprocess client, once every engine is ready:
 
-* the **input watch** reads the client's input ROUTER, on which engines send nothing
-  but their ready message. A ready message from an engine in service means it
-  restarted or reconnected on its own (a TCP connection cut and re-made: the
-  reference engine then drops the requests of the connection it lost), so this
-  client's requests on it are failed instead of hanging; one from an engine being
-  restarted completes that restart.
+* the **input watch** reads the ready messages the message pipe brings (the client's
+  input ROUTER, with ZeroMQ, on which engines send nothing else). A ready message from
+  an engine in service means it restarted or reconnected on its own (a TCP connection
+  cut and re-made: the reference engine then drops the requests of the connection it
+  lost), so this client's requests on it are failed instead of hanging; one from an
+  engine being restarted completes that restart.
 * the **restarter** (the ``restart`` policy) starts a dead engine again: after the
-  back-off its :class:`~trio_enginecore.client._policy.RestartBudget` gives, the same
+  back-off its :class:`~trio_enginecore.client._core._policy.RestartBudget` gives, the same
   rank, the same handshake (the client keeps its handshake socket for this), then back
   into service; one engine at a time, since they share the handshake socket. How an
   engine is started again is a :class:`Relaunch`: a new process for an engine the
@@ -17,8 +17,8 @@ Two tasks of a multiprocess client, once every engine is ready:
   :class:`~trio_enginecore.client.EngineRestarter` for a remote one
   (:class:`RemoteRelaunch`, Ray's among them).
 
-While no engine is in service, callers wait (bounded) for one to be back:
-:func:`wait_for_service`.
+While no engine is in service, callers wait (bounded) for one to be back: that wait is
+the client's (``TrioEngineClient``), which sees only the engines' states.
 """
 
 from __future__ import annotations
@@ -29,19 +29,18 @@ from typing import Protocol, final
 
 import trio
 
-from .._curve import load_public_key
-from .._zmq import TrioSocket
-from ..errors import EngineDeadError, EngineStartupError, ProtocolError
-from ..protocol import EngineCoreReadyResponse
-from ..serial import Buffer, MsgpackDecoder
-from ._engines import EngineHandle
-from ._launch import close_lifeline
-from ._policy import Restart, RestartBudget
+from ..._curve import load_public_key
+from ..._zmq import TrioSocket
+from ...errors import EngineStartupError, ProtocolError
+from ...protocol import EngineCoreReadyResponse
+from ...serial import Buffer, MsgpackDecoder
+from .._core._engines import EngineHandle
+from .._core._policy import Restart, RestartBudget
+from .._transport import ClientLink
+from ._launch import LaunchedProcesses
+from ._pipe import MessagePipe
 from ._remote import EngineRestarter
-from ._router import Router
 from ._startup import StartupProgress, adopt_dialect
-from ._state import ClientState
-from ._transport import ClientLink
 
 __all__ = [
     "EngineSupervisor",
@@ -49,7 +48,6 @@ __all__ = [
     "Relaunch",
     "RelaunchByRank",
     "RemoteRelaunch",
-    "wait_for_service",
 ]
 
 logger = logging.getLogger("trio_enginecore.client")
@@ -78,41 +76,35 @@ class ProcessRelaunch:
     """A new process for an engine this client launched.
 
     Args:
+        processes: the client's launched processes (the dead one is removed from them).
         launch: launches ``engine``'s process, pointed at the handshake, and watches it.
     """
 
-    def __init__(self, launch: Callable[[EngineHandle], Awaitable[None]]) -> None:
+    def __init__(
+        self, processes: LaunchedProcesses, launch: Callable[[EngineHandle], Awaitable[None]]
+    ) -> None:
+        self.processes = processes
         self.launch = launch
 
     async def start(self, engine: EngineHandle) -> None:
-        old = engine.process
-        if old is not None:
-            if old.returncode is None:
-                # Declared dead but still running (it reported a fatal error and has
-                # not exited yet, say): it goes before its rank is launched again.
-                old.kill()
-            await old.wait()
-            with trio.move_on_after(1.0):
-                await engine.stderr_done.wait()
-            if old.stderr is not None:
-                await old.stderr.aclose()
-        close_lifeline(engine)
-        engine.forget_process()
+        # Declared dead but maybe still running (it reported a fatal error and has not
+        # exited yet, say): it goes before its rank is launched again.
+        await self.processes.forget(engine)
+        engine.forget_instance()
         await self.launch(engine)
 
     async def ended(self, engine: EngineHandle) -> None:
-        process = engine.process
-        assert process is not None
-        await process.wait()
+        launched = self.processes.get(engine)
+        assert launched is not None
+        await launched.process.wait()
 
     async def discard(self, engine: EngineHandle) -> str | None:
-        process = engine.process
-        if process is None:
+        launched = self.processes.get(engine)
+        if launched is None:
             return None
-        if process.returncode is None:
-            process.kill()  # the next attempt starts clean
-            await process.wait()
-        return engine.exit_description(with_name=False)
+        if launched.kill_if_running():  # the next attempt starts clean
+            await launched.process.wait()
+        return self.processes.describe_exit(engine, with_name=False)
 
 
 @final
@@ -129,7 +121,7 @@ class RemoteRelaunch:
         self.admit = admit
 
     async def start(self, engine: EngineHandle) -> None:
-        engine.forget_process()
+        engine.forget_instance()
         try:
             started = await self.restarter.restart_engine(engine.rank)
         except (EngineStartupError, OSError):
@@ -186,8 +178,8 @@ class EngineSupervisor:
 
     Args:
         link: the client's link.
-        input_sock: the client's input ROUTER (only this task receives on it).
-        input_address: its address, for error messages.
+        pipe: the client's message pipe (only this task waits for its ready messages).
+        input_address: where ready messages arrive, for error messages.
         restart: the policy, or None (then only the input watch runs).
         handshake: the handshake ROUTER, kept open for restarts.
         handshake_address: its address (what restarted engines connect to).
@@ -201,7 +193,7 @@ class EngineSupervisor:
     def __init__(
         self,
         link: ClientLink,
-        input_sock: TrioSocket,
+        pipe: MessagePipe,
         input_address: str,
         *,
         restart: Restart | None = None,
@@ -214,7 +206,7 @@ class EngineSupervisor:
         came_on: Callable[[int, EngineHandle], None] | None = None,
     ) -> None:
         self.link = link
-        self.input_sock = input_sock
+        self.pipe = pipe
         self.input_address = input_address
         self.restart = restart
         self.handshake = handshake
@@ -261,9 +253,9 @@ class EngineSupervisor:
         by_identity = {engine.identity: engine for engine in self.link.state.engines}
         while True:
             try:
-                frames, fd = await self.input_sock.recv_multipart_with_source()
+                frames, fd = await self.pipe.next_ready()
             except trio.ClosedResourceError:
-                return  # the client closed the socket: the normal way out
+                return  # the client closed the pipe: the normal way out
             engine = by_identity.get(bytes(frames[0])) if len(frames) == 2 else None
             if engine is None:
                 logger.warning("ignoring a message of %d frame(s) on the input socket", len(frames))
@@ -315,7 +307,7 @@ class EngineSupervisor:
                 self.back_in_service(engine)
                 return
             logger.error("restarting %s failed: %s", engine.describe(), failure)
-            self.link.state.restart_failed(engine, failure)
+            self.link.state.lifecycle.restart_failed(engine, failure)
 
     async def _attempt(self, engine: EngineHandle) -> str | None:
         """Start the engine again and wait until it is ready: None, or why not."""
@@ -350,23 +342,3 @@ async def _cancel_when_ended(
 ) -> None:
     await relaunch.ended(engine)
     scope.cancel()
-
-
-async def wait_for_service(router: Router, state: ClientState, wait_s: float) -> None:
-    """With no engine in service while one restarts, wait up to ``wait_s`` for one to be
-    back. Cancellation changes nothing.
-
-    Raises:
-        EngineDeadError: none was back in time, or the client failed meanwhile.
-        trio.ClosedResourceError: the client closed meanwhile.
-    """
-    with trio.move_on_after(wait_s):
-        while not router.live:
-            await state.engine_returned.wait()
-            state.raise_if_unusable()
-        return
-    restarting = ", ".join(f"{e.describe()} ({e.death})" for e in state.engines if e.restarting)
-    raise EngineDeadError(
-        f"no engine in service after waiting {wait_s:g} s; restarting: {restarting}",
-        retryable=True,
-    )

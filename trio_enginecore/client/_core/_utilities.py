@@ -19,8 +19,8 @@ from typing import Any, Generic, TypeVar, final, overload
 import attrs
 import msgspec
 
-from ..errors import ProtocolError
-from ..protocol import CheckpointState
+from ...errors import ProtocolError
+from ...protocol import CheckpointState
 from ._lb import consensus
 
 __all__ = [

@@ -15,13 +15,13 @@ from typing import Any, final
 import trio
 import zmq
 
-from .._addresses import connect_address
-from .._curve import CurveServer
-from .._zmq import TrioSocket, make_socket
-from ..errors import EngineStartupError, ProtocolError
-from ..protocol import COORDINATOR_SUBSCRIBE, CoordinatorPublication
-from ..serial import MsgpackDecoder
-from ._transport import ClientLink
+from ..._addresses import connect_address
+from ..._curve import CurveServer
+from ..._zmq import TrioSocket, make_socket
+from ...errors import EngineStartupError, ProtocolError
+from ...protocol import COORDINATOR_SUBSCRIBE, CoordinatorPublication
+from ...serial import MsgpackDecoder
+from .._transport import ClientLink
 
 __all__ = ["CoordinatorFollower"]
 

@@ -22,19 +22,18 @@ from typing import Final, final
 import msgspec
 import trio
 
-from ..errors import EngineDeadError, ProtocolError
-from ..protocol import (
+from ...errors import EngineDeadError, ProtocolError
+from ...protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
-    RequestError,
 )
 from ._calls import UtilityCalls
 from ._collector import BatchCollector
 from ._engines import DeathNotice, EngineHandle
-from ._interface import ClientStatistics
+from ._lifecycle import EngineLifecycle
 from ._policy import Fail, Policy
+from ._statistics import ClientStatistics
 from ._stream import StreamFeed
 
 __all__ = ["MAX_TOMBSTONES", "ClientState"]
@@ -92,7 +91,7 @@ class ClientState:
         self.policy = policy
         self.engine_returned = trio.Event()
         """Set (and replaced) whenever a restarted engine is back in service."""
-        self._send_abort = send_abort
+        self.send_abort = send_abort
         self.inflight: dict[str, EngineHandle] = {}
         """Wire id -> the engine that has the request."""
         self.streams: dict[str, StreamFeed] = {}
@@ -124,6 +123,9 @@ class ClientState:
         self.wire_ids: dict[str, str] = {}
         self.user_ids: dict[str, str] = {}
         self.ids_in_flight = _IdsInFlight(self.inflight, self.wire_ids)
+        self.lifecycle = EngineLifecycle(self)
+        """What an engine's death, silence or return does: the one writer of the
+        engines' states."""
 
     # ---------------------------------------------------------------- queries
 
@@ -220,16 +222,16 @@ class ClientState:
         for engine, ids in by_engine.values():
             live = engine.alive and not self.closed
             if live:
-                self._send_abort(engine, ids)
+                self.send_abort(engine, ids)
             for wire_id in ids:
                 if live:
-                    self._bury(self.user_ids.get(wire_id, wire_id))
+                    self.bury(self.user_ids.get(wire_id, wire_id))
                 stream = self.streams.get(wire_id)
                 self.forget(wire_id)
                 if stream is not None:
                     stream.abort_locally()
 
-    def _bury(self, user_id: str) -> None:
+    def bury(self, user_id: str) -> None:
         tombstones = self.tombstones
         tombstones.pop(user_id, None)
         tombstones[user_id] = None
@@ -366,162 +368,11 @@ class ClientState:
         self.batch_ready.set()
         self.batch_ready = trio.Event()
 
-    # ---------------------------------------------------------------- failures
-
-    def engine_died(self, engine: EngineHandle, reason: str) -> bool:
-        """Record an engine's death and fail every waiter that depends on it.
-
-        Its in-flight requests fail: their streams raise ``EngineDeadError``, and each
-        of its requests added with ``add_request`` gets a local ``FinishReason.ERROR``
-        output through ``get_output()`` (code ``"engine_dead"``, retryable) unless the
-        client failed as a whole. The client fails (every pending utility call fails,
-        ``get_output()`` waiters wake up, every later call raises) on the first death,
-        or under ``route_around`` when no engine is left (none alive, none
-        restarting); otherwise only the utility calls that engine owed fail, and
-        under ``restart`` the engine is marked restarting. Returns whether this was
-        news (an engine in service, the client open).
-        """
-        if not engine.alive:
-            return False
-        engine.state = "dead"
-        engine.death = reason
-        engine.suspicion = None
-        if self.closing:
-            return False
-        logger.error("%s died: %s", engine.describe(), reason)
-        verdict = self.policy.on_death(others_in_service=self._others_in_service(engine))
-        if verdict == "restart":
-            engine.state = "restarting"
-        self._fail_engine(
-            engine, f"{engine.describe()} died: {reason}", whole=verdict == "fail_client"
-        )
-        return True
-
-    def _others_in_service(self, engine: EngineHandle) -> int:
-        """Engines other than ``engine`` in service or being restarted."""
-        return sum(1 for e in self.engines if e is not engine and (e.alive or e.restarting))
-
-    def engine_suspect(self, engine: EngineHandle, reason: str) -> bool:
-        """An engine in service may be gone or stuck (``reason`` says why): it stays in
-        service, shown ``suspect``, until it shows life (:meth:`engine_cleared`) or is
-        declared dead. Returns whether this was news."""
-        if engine.state != "alive" or self.closing:
-            return False
-        engine.state = "suspect"
-        engine.suspicion = reason
-        logger.warning("%s is suspect: %s", engine.describe(), reason)
-        return True
-
-    def engine_cleared(self, engine: EngineHandle) -> None:
-        """A suspect engine showed life: ``alive`` again."""
-        if engine.state == "suspect":
-            logger.warning(
-                "%s shows life again (it was suspect: %s)", engine.describe(), engine.suspicion
-            )
-            engine.state = "alive"
-            engine.suspicion = None
-
-    def engine_back(self, engine: EngineHandle) -> None:
-        """A restarted engine is ready: back in service, and waiters for an engine
-        wake up."""
-        engine.state = "alive"
-        engine.death = None
-        engine.suspicion = None
-        engine.restarts += 1
-        engine.load.waiting = engine.load.running = 0
-        logger.warning("%s is back in service (restart %d)", engine.describe(), engine.restarts)
+    def wake_engine_waiters(self) -> None:
+        """Waiters for an engine in service look again (one came back, or was given
+        up)."""
         self.engine_returned.set()
         self.engine_returned = trio.Event()
-
-    def restart_failed(self, engine: EngineHandle, reason: str) -> None:
-        """An attempt to restart ``engine`` failed; it stays ``restarting`` (the
-        restarter tries again, as the policy allows), and this is its death now."""
-        if engine.restarting:
-            engine.death = f"its restart failed: {reason}"
-
-    def engine_given_up(self, engine: EngineHandle, reason: str) -> None:
-        """A restarting engine will not be restarted again: it is dead for good, and
-        the client fails if no engine is left."""
-        if not engine.restarting:
-            return
-        engine.state = "dead"
-        engine.death = reason
-        if not self.closing:
-            logger.error("%s: %s", engine.describe(), reason)
-            self._fail_engine(
-                engine,
-                f"{engine.describe()}: {reason}",
-                whole=not self._others_in_service(engine),
-            )
-        self.engine_returned.set()  # waiters for an engine look again, and raise
-        self.engine_returned = trio.Event()
-
-    def engines_stopped(self) -> None:
-        """The client closed and its transport stopped: no engine is in service."""
-        for engine in self.engines:
-            if engine.state != "dead":
-                engine.state = "dead"
-                engine.death = engine.death or "stopped with the client"
-                engine.suspicion = None
-
-    def requests_lost(self, engine: EngineHandle, reason: str) -> None:
-        """A live engine lost this client's requests (it restarted, or reconnected,
-        behind the client's back): fail them, and the calls it owed, as if it had
-        died; the engine stays in service."""
-        if engine.alive and not self.closing:
-            logger.error("%s lost this client's requests: %s", engine.describe(), reason)
-            self._fail_engine(engine, f"{engine.describe()} {reason}", whole=False, in_service=True)
-
-    def _fail_engine(
-        self, engine: EngineHandle, message: str, *, whole: bool, in_service: bool = False
-    ) -> None:
-        """Fail what depends on ``engine``, and the client too if ``whole`` (the
-        policy's verdict). Requests lost by an engine in service (``in_service``) fail
-        alone, whatever the policy."""
-        if whole and self.failure is None:
-            first = isinstance(self.policy, Fail)
-            self.failure = message if first else f"no engine is left: {message}"
-            self.failure_notice = engine.death_notice(self.failure, retryable=False)
-            self.ended.set()
-        elif not whole and not in_service:
-            serving = [e.rank for e in self.engines if e.alive]
-            what = "restarting" if engine.restarting else "routing around"
-            logger.warning("%s %s; engine(s) %s in service", what, engine.describe(), serving)
-        # Sending again is worth it while an engine is (or will be) in service.
-        notice = engine.death_notice(message, retryable=not whole)
-        orphans: list[EngineCoreOutput] = []
-        orphaned_ids: list[str] = []
-        for wire_id, owner in list(self.inflight.items()):
-            if owner is engine:
-                stream = self.streams.get(wire_id)
-                user_id = self.user_id(wire_id)
-                orphaned_ids.append(wire_id)
-                if not whole:
-                    # A retry under the same id must not meet this request's late
-                    # outputs, should the engine come back (an attached engine cut
-                    # off by the network, say): it is sent under a fresh wire id.
-                    self._bury(user_id)
-                self.forget(wire_id)
-                if stream is not None:
-                    stream.fail(message, notice=notice)
-                elif not whole:
-                    orphans.append(
-                        EngineCoreOutput(
-                            user_id,
-                            [],
-                            finish_reason=FinishReason.ERROR,
-                            error=RequestError("engine_dead", message, retryable=True),
-                        )
-                    )
-        self.calls.fail(notice, engine=None if whole else engine)
-        if orphaned_ids and not whole:
-            # Best effort, for an engine that may still be running; one that is gone
-            # never reads it.
-            self._send_abort(engine, orphaned_ids)
-        if orphans:
-            self.batched_outputs += len(orphans)
-            self.batches.put(EngineCoreOutputs(engine_index=engine.rank, outputs=orphans))
-        self.wake_batch_readers()
 
     def close(self) -> None:
         """The client is closing: abort what is in flight and wake every waiter."""

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .._curve import load_public_key, write_key_pair
+from ..._curve import load_public_key, write_key_pair
 
 __all__ = ["EngineActor"]
 

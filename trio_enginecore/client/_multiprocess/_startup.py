@@ -14,19 +14,18 @@ what it is still waiting for.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from typing import final
 
-import trio
 import zmq
 
-from .._zmq import TrioSocket
-from ..config import EngineConfig
-from ..coordinator import CoordinatorAddresses
-from ..dialects import choose_dialect, choose_group_dialect
-from ..errors import EngineStartupError, ProtocolError
-from ..protocol import (
+from ..._zmq import Frames, TrioSocket
+from ...config import EngineConfig
+from ...coordinator import CoordinatorAddresses
+from ...dialects import choose_dialect, choose_group_dialect
+from ...errors import EngineStartupError, ProtocolError
+from ...protocol import (
     EngineCoreReadyResponse,
     EngineHandshakeMetadata,
     EngineZmqAddresses,
@@ -34,8 +33,9 @@ from ..protocol import (
     HandshakeMessage,
     HandshakeReady,
 )
-from ..serial import Buffer, MsgpackDecoder
-from ._engines import EngineHandle
+from ...serial import Buffer, MsgpackDecoder
+from .._core._engines import EngineHandle
+from ._launch import LaunchedProcesses
 from ._remote import RemoteEngines
 
 __all__ = ["StartupProgress", "group_hint", "handshake_metadata"]
@@ -160,11 +160,14 @@ class StartupProgress:
                     self.handshake_ready.add(bytes(identity))
 
     async def wait_ready(
-        self, sock: TrioSocket, came_on: Callable[[int, EngineHandle], None] | None = None
+        self,
+        next_ready: Callable[[], Awaitable[tuple[Frames, int]]],
+        came_on: Callable[[int, EngineHandle], None] | None = None,
     ) -> None:
-        """Wait for every engine's ready message on the input socket, keeping each
-        engine's decoded :class:`EngineCoreReadyResponse` (an empty one is allowed);
-        ``came_on(fd, engine)`` says which connection each came on.
+        """Wait for every engine's ready message (``next_ready()``: the message pipe's
+        :meth:`~._pipe.MessagePipe.next_ready`), keeping each engine's decoded
+        :class:`EngineCoreReadyResponse` (an empty one is allowed); ``came_on(fd,
+        engine)`` says which connection each came on.
 
         Raises:
             EngineStartupError: a ready message does not decode.
@@ -172,7 +175,7 @@ class StartupProgress:
         decoder = MsgpackDecoder(EngineCoreReadyResponse)
         waiting = {engine.identity: engine for engine in self.engines}
         while waiting:
-            frames, fd = await sock.recv_multipart_with_source()
+            frames, fd = await next_ready()
             if len(frames) != 2:
                 logger.warning("ignoring a %d-frame message on the input socket", len(frames))
                 continue
@@ -203,6 +206,7 @@ class StartupProgress:
     async def error(
         self,
         timeout_s: float,
+        processes: LaunchedProcesses,
         *,
         timed_out: bool,
         waits_for_coordinator: bool,
@@ -213,6 +217,7 @@ class StartupProgress:
 
         Args:
             timeout_s: the ready timeout.
+            processes: the engines the client launched (how they ended).
             timed_out: it timed out (else it was stopped by an engine's death).
             waits_for_coordinator: the engines subscribe to a coordinator first.
             group_hint: why a data-parallel group may not form, or None if the
@@ -223,21 +228,29 @@ class StartupProgress:
         for engine in self.engines:
             if engine.identity in self.ready_messages and engine.alive:
                 continue
-            exited = engine.process is not None and engine.process.returncode is not None
-            if exited:
-                with trio.move_on_after(1):
-                    await engine.stderr_done.wait()
+            launched = processes.get(engine)
+            exited = launched is not None and launched.exited
+            if launched is not None and exited:
+                await launched.wait_stderr(1)
             if not engine.alive or exited:
-                details.append(engine.exit_description())
+                details.append(processes.describe_exit(engine))
             else:
-                details.append(self._stage(engine, waits_for_coordinator, group_hint))
+                stage = self._stage(
+                    engine, waits_for_coordinator, group_hint, remote=launched is None
+                )
+                details.append(stage)
         if refusals:
             details.append(refusals)
         what = f"not ready within {timeout_s:g} s" if timed_out else "failed to start"
         return EngineStartupError(f"engine {what}: " + " | ".join(details))
 
     def _stage(
-        self, engine: EngineHandle, waits_for_coordinator: bool, group_hint: str | None
+        self,
+        engine: EngineHandle,
+        waits_for_coordinator: bool,
+        group_hint: str | None,
+        *,
+        remote: bool,
     ) -> str:
         """How far a live engine got in the startup, and what it is waiting for."""
         name = f"engine rank {engine.rank}"
@@ -248,7 +261,7 @@ class StartupProgress:
                 "and given this address?)"
             )
         if engine.identity not in self.hellos:
-            where = "(remote) " if engine.process is None else ""
+            where = "(remote) " if remote else ""
             return (
                 f"{name} {where}never said HELLO at {self.handshake_address} (still "
                 "starting, or it cannot reach that address)"

@@ -1,10 +1,12 @@
 """The record a client keeps of each engine: who it is, where it runs, how it stands.
 
-Plain data, no I/O. Several parts of a client read a record, and some fill in facts
-(the launcher its process, the startup its ready message and release, the receive task
-how many messages it sent); only the client's state (:mod:`._state`) changes where an
-engine *stands*, its :attr:`EngineHandle.state`: what notices a death, a silence or a
-recovery reports it there, and the state decides.
+Plain data, no I/O: a launched engine's process (its pipes, its lifeline) is the engine
+group's (:class:`~trio_enginecore.client._multiprocess._launch.LaunchedProcess`), and
+only its process id is here, for the messages. Several parts of a client read a record,
+and some fill in facts (the launcher its process id, the startup its ready message and
+release, the receive task how many messages it sent); only the client's state
+(:mod:`._state`) changes where an engine *stands*, its :attr:`EngineHandle.state`: what
+notices a death, a silence or a recovery reports it there, and the state decides.
 
 The states::
 
@@ -17,21 +19,17 @@ The states::
 
 from __future__ import annotations
 
-import collections
-from typing import Final, final
+from typing import final
 
 import attrs
-import trio
 
-from ..dialects import OLDEST, Dialect
-from ..errors import EngineDeadError
-from ..protocol import EngineCoreReadyResponse, identity_for_rank
-from ._interface import EngineState, EngineStatus
+from ...dialects import OLDEST, Dialect
+from ...errors import EngineDeadError
+from ...protocol import EngineCoreReadyResponse, identity_for_rank
 from ._lb import EngineLoad
+from ._statistics import EngineState, EngineStatus
 
-__all__ = ["STDERR_TAIL_LINES", "DeathNotice", "EngineHandle"]
-
-STDERR_TAIL_LINES: Final = 20
+__all__ = ["DeathNotice", "EngineHandle"]
 
 
 @final
@@ -63,11 +61,9 @@ class EngineHandle:
 
     rank: int
     identity: bytes
-    process: trio.Process | None = None
-    stderr_tail: collections.deque[str] = attrs.field(
-        factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES)
-    )
-    stderr_done: trio.Event = attrs.field(factory=trio.Event)
+    pid: int | None = None
+    """The process id of an engine this client launched (set by the launcher), for
+    the messages; None for an engine started elsewhere."""
     ready: EngineCoreReadyResponse | None = None
     dialect: Dialect = OLDEST
     """The wire form this engine's vLLM release reads, from its ready message (the
@@ -84,8 +80,6 @@ class EngineHandle:
     the liveness checks look for."""
     restarts: int = 0
     """How many times the client has restarted it."""
-    lifeline: int | None = None
-    """The write end of the engine's lifeline pipe, while the client holds it."""
     location: str | None = None
     """Where the engine runs, for an engine started elsewhere (its host, or the Ray
     actor and node: :attr:`RemoteEngines.locations
@@ -109,27 +103,24 @@ class EngineHandle:
         as vLLM defines it)."""
         return cls(rank=rank, identity=identity_for_rank(rank))
 
-    def forget_process(self) -> None:
-        """Forget the process (and ready message) of an engine that died, before
-        another is started for the same rank. The lifeline must be closed first."""
-        assert self.lifeline is None, "close the lifeline of the old process first"
-        self.process = None
-        self.stderr_done = trio.Event()
+    def forget_instance(self) -> None:
+        """Forget what belonged to an engine that died (its process id, its ready
+        message), before another is started for the same rank."""
+        self.pid = None
         self.ready = None
-        self.stderr_tail.clear()
 
     def death_notice(self, message: str, *, retryable: bool) -> DeathNotice:
         """What an ``EngineDeadError`` blaming this engine says."""
         return DeathNotice(
             message,
             rank=self.rank,
-            pid=self.process.pid if self.process is not None else None,
+            pid=self.pid,
             location=self.location,
             retryable=retryable,
         )
 
     def describe(self) -> str:
-        pid = f", pid {self.process.pid}" if self.process is not None else ""
+        pid = f", pid {self.pid}" if self.pid is not None else ""
         where = f" ({self.location})" if self.location is not None else ""
         return f"engine rank {self.rank}{pid}{where}"
 
@@ -144,15 +135,3 @@ class EngineHandle:
             location=self.location,
             suspicion=self.suspicion if self.state == "suspect" else None,
         )
-
-    def exit_description(self, *, with_name: bool = True, with_stderr: bool = True) -> str:
-        """How the engine's process ended, with its last stderr lines."""
-        parts = [self.describe()] if with_name else []
-        if self.process is not None and self.process.returncode is not None:
-            code = self.process.returncode
-            parts.append(
-                f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-            )
-        if with_stderr and self.stderr_tail:
-            parts.append("last stderr lines:\n  " + "\n  ".join(self.stderr_tail))
-        return "; ".join(parts)

@@ -29,7 +29,7 @@ import attrs
 
 # Defined in trio_enginecore.errors with the other exceptions; re-exported here (and so
 # from trio_enginecore.client) for the programs that import it from there.
-from ..errors import EngineConsensusError
+from ...errors import EngineConsensusError
 
 __all__ = [
     "EngineConsensusError",

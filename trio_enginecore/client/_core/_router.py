@@ -18,17 +18,17 @@ chosen again; a request naming its rank is refused.
 
 from __future__ import annotations
 
-from typing import final
+from typing import Literal, final
 
 import attrs
 import trio
 
-from ..config import EngineConfig
-from ..coordinator import CoordinatorAddresses
-from ..errors import ProtocolError
-from ..protocol import CoordinatorPublication, EngineCoreRequest
+from ...config import EngineConfig
+from ...coordinator._addresses import CoordinatorAddresses
+from ...errors import ProtocolError
+from ...protocol import CoordinatorPublication, EngineCoreRequest
 from ._engines import EngineHandle
-from ._lb import LoadBalancer
+from ._lb import LeastLoaded, LoadBalancer
 
 __all__ = ["DataParallelRole", "Router", "WaveFollower"]
 
@@ -46,6 +46,37 @@ class DataParallelRole:
     """Follows a coordinator and stamps requests with its wave."""
     launches_coordinator: bool = False
     """Launches a coordinator of its own when it launches engines and is given none."""
+
+    @classmethod
+    def for_config(
+        cls,
+        config: EngineConfig,
+        *,
+        load_balancer: LoadBalancer | None = None,
+        coordinator: CoordinatorAddresses | None = None,
+    ) -> DataParallelRole:
+        """The one answer to "which engines, which routing" for ``config``, used by
+        every opener (Trio, blocking, Ray): one engine, :meth:`single`; several with
+        external load balancing, the client's own rank (:meth:`one_rank`); else every
+        rank, balanced (:meth:`balanced`, by default with :class:`~._lb.LeastLoaded`).
+
+        Raises:
+            ValueError: a coordinator for one engine.
+        """
+        if config.data_parallel_size == 1:
+            if coordinator is not None:
+                raise ValueError("a coordinator is only used with data_parallel_size > 1")
+            return cls.single(config)
+        if config.data_parallel_external_lb:
+            return cls.one_rank(config, coordinator)
+        return cls.balanced(config, load_balancer or LeastLoaded(), coordinator)
+
+    @property
+    def kind(self) -> Literal["single", "one_rank", "balanced"]:
+        """Which of the three routings this is (what picks the vLLM-shaped class)."""
+        if self.load_balancer is not None:
+            return "balanced"
+        return "one_rank" if self.data_parallel else "single"
 
     @classmethod
     def single(cls, config: EngineConfig) -> DataParallelRole:

@@ -10,8 +10,8 @@ from typing import Final, Protocol, final
 
 import attrs
 
-from .._curve import CurveServer
-from ._settings_checks import positive_number
+from ..._curve import CurveServer
+from .._core._settings_checks import positive_number
 
 __all__ = ["EngineRestarter", "RemoteEngines", "RestartedEngine", "connectable"]
 

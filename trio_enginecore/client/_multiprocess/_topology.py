@@ -2,7 +2,7 @@
 
 :func:`plan_topology` decides it once, from the client's role and options, before
 anything is bound or launched: a plain function, unit-tested without sockets. The
-ZeroMQ transport then follows the plan: bind, launch, handshake, watch.
+engine group (:mod:`._group`) then follows the plan: bind, launch, handshake, watch.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Final, final
 
 import attrs
 
-from .._curve import CurveServer
-from .._listeners import ListenerFd
-from ._liveness_rules import Liveness
+from ..._curve import CurveServer
+from ..._listeners import ListenerFd
+from .._core._liveness_rules import Liveness
+from .._core._router import DataParallelRole
 from ._remote import RemoteEngines
-from ._router import DataParallelRole
 
 __all__ = [
     "ATTRIBUTION_WINDOW_S",

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ProtocolError
-from ..protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
+from ...errors import ProtocolError
+from ...protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
 
 __all__ = ["BatchCollector", "merge_outputs"]
 

@@ -14,12 +14,12 @@ from typing import Any, Final, Literal, final
 
 import attrs
 
-from .._curve import CurveServer
-from ..config import EngineConfig
-from ._launch import serve_arguments
-from ._settings_checks import positive_number
+from ..._curve import CurveServer
+from ...config import EngineConfig
+from .._core._settings_checks import positive_number
+from .._multiprocess._launch import serve_arguments
 
-__all__ = ["PlacementStrategy", "RayEngines", "client_ranks", "describe_location"]
+__all__ = ["PlacementStrategy", "RayEngines", "describe_location"]
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 """Ray's placement-group strategies: ``"PACK"`` (as few nodes as possible),
@@ -75,7 +75,11 @@ class RayEngines:
         resources_per_engine: the placement-group bundle of each engine, in Ray's
             resource names (``{"CPU": 1}``, ``{"CPU": 4, "GPU": 1}``); the actor
             reserves exactly its bundle.
-        strategy: how the bundles are spread over nodes (:data:`PlacementStrategy`).
+        strategy: how the bundles are spread over nodes, one of Ray's
+            placement-group strategies: ``"PACK"`` (as few nodes as possible),
+            ``"SPREAD"`` (as many as possible), and their strict forms
+            ``"STRICT_PACK"`` (all on one node) and ``"STRICT_SPREAD"`` (each on its
+            own node), which fail to place rather than bend.
         placement_timeout_s: how long the placement group and the actors may take to
             exist; then the startup fails, naming what the cluster has free.
         handshake_host: the address of this host the engines connect to (the client
@@ -152,14 +156,6 @@ class RayEngines:
             self.engine_log_level,
             *serve_arguments(config.evolve(data_parallel_rank=rank)),
         ]
-
-
-def client_ranks(config: EngineConfig) -> range:
-    """The ranks a client of ``config`` has engines for: its own with external load
-    balancing, else every one."""
-    if config.data_parallel_size > 1 and config.data_parallel_external_lb:
-        return range(config.data_parallel_rank, config.data_parallel_rank + 1)
-    return range(config.data_parallel_size)
 
 
 def describe_location(where: Mapping[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""The receive task of the ZeroMQ transport: engine messages into the client's state.
+"""The receive task of the ZeroMQ pipe: engine messages into the client's state.
 
 It drains the PULL socket in batches, decodes each message once and feeds it to the
 state, with no checkpoint between taking a message off the socket and handing it over:
@@ -13,11 +13,11 @@ from typing import Final
 
 import trio
 
-from .._zmq import TrioSocket
-from ..errors import ProtocolError
-from ..protocol import ENGINE_CORE_DEAD, EngineCoreOutputs
-from ..serial import MsgpackDecoder
-from ._state import ClientState
+from ..._zmq import TrioSocket
+from ...errors import ProtocolError
+from ...protocol import ENGINE_CORE_DEAD, EngineCoreOutputs
+from ...serial import MsgpackDecoder
+from .._core._state import ClientState
 
 __all__ = ["receive_outputs"]
 

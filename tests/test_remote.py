@@ -33,6 +33,7 @@ from trio_enginecore import (
     open_coordinator,
     open_engine_client,
 )
+from trio_enginecore._addresses import connectable
 from trio_enginecore._curve import (
     CurveKeyPair,
     CurveRefusal,
@@ -45,7 +46,6 @@ from trio_enginecore._curve import (
 from trio_enginecore._zmq import TrioSocket
 from trio_enginecore.client import DPLBTrioMPClient, DPTrioMPClient
 from trio_enginecore.client._multiprocess._launch import serve_arguments
-from trio_enginecore.client._multiprocess._remote import connectable
 from trio_enginecore.protocol import EngineHandshakeMetadata, HandshakeHello, HandshakeReady
 from trio_enginecore.serial import MsgpackDecoder, MsgpackEncoder
 

@@ -265,6 +265,9 @@ class _TrioFace(AsyncEngineCoreClient):
     async def add_request(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError
 
+    async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        raise NotImplementedError
+
     async def get_output(self) -> EngineCoreOutputs:
         raise NotImplementedError
 

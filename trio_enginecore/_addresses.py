@@ -10,6 +10,7 @@ closed socket, a terminated context) as it was.
 from __future__ import annotations
 
 import errno
+import socket
 from typing import Final
 
 import zmq
@@ -17,7 +18,7 @@ import zmq
 from ._zmq import TrioSocket
 from .errors import AddressError
 
-__all__ = ["bind_address", "connect_address"]
+__all__ = ["bind_address", "connect_address", "connectable", "free_tcp_ports"]
 
 # Failures that say nothing about the address: the socket or its context is gone.
 _NOT_ABOUT_THE_ADDRESS: Final = frozenset({zmq.ETERM, zmq.ENOTSOCK, zmq.EMTHREAD, errno.EINTR})
@@ -63,3 +64,31 @@ def connect_address(sock: TrioSocket, address: str, *, role: str = "") -> None:
         if exc.errno in _NOT_ABOUT_THE_ADDRESS:
             raise
         raise AddressError(address, _reason(exc, address), role=role) from exc
+
+
+def connectable(address: str) -> str:
+    """The address a process on this host connects to, for one bound at ``address``
+    (a wildcard host is reached through the loopback interface)."""
+    if not address.startswith("tcp://"):
+        return address
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    if host in ("*", "0.0.0.0"):
+        return f"tcp://127.0.0.1:{port}"
+    if host in ("::", "[::]"):
+        return f"tcp://[::1]:{port}"
+    return address
+
+
+def free_tcp_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on this host now (held open together while
+    chosen, so that none is picked twice)."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in held]
+    finally:
+        for sock in held:
+            sock.close()

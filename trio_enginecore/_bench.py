@@ -12,7 +12,6 @@ import gc
 import math
 import resource
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any, Final, Literal, TextIO
 
 import trio
 
+from ._addresses import free_tcp_ports
 from .client import TrioEngineClient, open_engine_client
 from .client._multiprocess._launch import serve_arguments
 from .config import EngineConfig
@@ -379,13 +379,6 @@ async def _show_progress(
 # ------------------------------------------------------------ trio-enginecore bench
 
 
-def _free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 async def run_cli_bench(
     *,
     concurrency: list[int],
@@ -434,8 +427,9 @@ def _engine_client(
 @asynccontextmanager
 async def _tcp_engine_client(config: EngineConfig) -> AsyncGenerator[TrioEngineClient, None]:
     """An engine on loopback TCP, attached (the ipc default launches it itself)."""
-    input_address = f"tcp://127.0.0.1:{_free_tcp_port()}"
-    output_address = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    input_port, output_port = free_tcp_ports(2)
+    input_address = f"tcp://127.0.0.1:{input_port}"
+    output_address = f"tcp://127.0.0.1:{output_port}"
     command = [
         sys.executable,
         "-m",

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import Final, cast
+from typing import Final
 
 import trio
+
+from ._groups import leaves
 
 __all__ = [
     "EXIT_ADDRESS",
@@ -47,14 +49,7 @@ async def exit_when_orphaned(parent_gone: Callable[[str], None]) -> None:
 
 def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The first exception of ``group`` that is no group itself."""
-    return _leaves(group)[0]
-
-
-def _leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        nested = cast("BaseExceptionGroup[BaseException]", error)
-        return [leaf for sub in nested.exceptions for leaf in _leaves(sub)]
-    return [error]
+    return leaves(group)[0]
 
 
 def report_address_error(command: str, error: BaseException) -> None:

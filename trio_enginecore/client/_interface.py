@@ -77,6 +77,7 @@ class AsyncEngineCoreClient(abc.ABC):
             trio.ClosedResourceError: the client is shutting down.
         """
 
+    @abc.abstractmethod
     async def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         """Send several requests with a single checkpoint.
 
@@ -92,8 +93,6 @@ class AsyncEngineCoreClient(abc.ABC):
             EngineDeadError: the engine has died.
             trio.ClosedResourceError: the client is shutting down.
         """
-        for request in requests:
-            await self.add_request(request)
 
     @abc.abstractmethod
     async def get_output(self) -> EngineCoreOutputs:

@@ -7,13 +7,13 @@ ever escapes.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import trio
 
+from .._groups import leaves
 from ..errors import EngineCoreError, EngineDeadError
 from ._client import TrioEngineClient
 
@@ -23,27 +23,15 @@ __all__ = ["run_client"]
 C = TypeVar("C", bound=TrioEngineClient)
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    leaves: list[BaseException] = []
-    pending: collections.deque[BaseException] = collections.deque([group])
-    while pending:
-        error = pending.popleft()
-        if isinstance(error, BaseExceptionGroup):
-            pending.extend(error.exceptions)  # pyright: ignore[reportUnknownArgumentType, reportUnknownMemberType]
-        else:
-            leaves.append(error)
-    return leaves
-
-
 def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     """The one exception in a (nested) group, or None if there are several."""
-    leaves = _leaves(group)
-    return leaves[0] if len(leaves) == 1 else None
+    found = leaves(group)
+    return found[0] if len(found) == 1 else None
 
 
 def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     """The first exception in a (nested) group that is not a cancellation."""
-    return next((e for e in _leaves(group) if not isinstance(e, trio.Cancelled)), None)
+    return next((e for e in leaves(group) if not isinstance(e, trio.Cancelled)), None)
 
 
 async def _cancel_on_failure(client: TrioEngineClient, body: trio.CancelScope) -> None:

@@ -43,7 +43,7 @@ class EngineStatus:
 @final
 @attrs.frozen
 class ClientStatistics:
-    """A snapshot of a client's state, from :meth:`TrioMPClient.statistics`."""
+    """A snapshot of a client's state, from its ``statistics()``."""
 
     requests_in_flight: int
     """Requests sent and neither finished nor aborted (streams included)."""

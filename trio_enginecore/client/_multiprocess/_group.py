@@ -29,7 +29,7 @@ from typing import Final, final
 import trio
 import zmq
 
-from ..._addresses import bind_address
+from ..._addresses import bind_address, connectable
 from ..._listeners import ListenerFd
 from ..._zmq import TrioSocket
 from ...config import EngineConfig
@@ -46,7 +46,7 @@ from ._following import CoordinatorFollower
 from ._launch import LaunchedProcesses
 from ._liveness import EngineWatches
 from ._pipe import MessagePipe, PipeFactory
-from ._remote import RemoteEngines, connectable
+from ._remote import RemoteEngines
 from ._startup import StartupProgress, group_hint, handshake_metadata
 from ._supervision import EngineSupervisor, ProcessRelaunch, RelaunchByRank, RemoteRelaunch
 from ._topology import CoordinatorSource, Topology, plan_topology

@@ -324,11 +324,11 @@ class DeathAttribution:
     def __init__(self, link: ClientLink, window_s: float | None) -> None:
         self.link = link
         self.window_s = window_s
-        self._a_death = trio.Event()
+        self._next_death = trio.Event()
 
     def death_recorded(self) -> None:
         """An engine's death was recorded (by whatever noticed it)."""
-        death, self._a_death = self._a_death, trio.Event()
+        death, self._next_death = self._next_death, trio.Event()
         death.set()
 
     def reported_dead(self, nursery: trio.Nursery) -> None:
@@ -348,7 +348,7 @@ class DeathAttribution:
     async def _attribute(self, suspects: list[EngineHandle], window_s: float) -> None:
         with trio.move_on_after(window_s):
             while all(engine.alive for engine in suspects):
-                await self._a_death.wait()
+                await self._next_death.wait()
             return
         for engine in suspects:
             self.link.engine_died(

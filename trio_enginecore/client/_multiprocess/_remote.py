@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import ipaddress
-import socket
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Final, Protocol, final
 
 import attrs
 
+from ..._addresses import free_tcp_ports
 from ..._curve import CurveServer
 from .._core._settings_checks import positive_number
 
-__all__ = ["EngineRestarter", "RemoteEngines", "RestartedEngine", "connectable"]
+__all__ = ["EngineRestarter", "RemoteEngines", "RestartedEngine"]
 
 _ALL_INTERFACES: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
@@ -25,34 +25,6 @@ def _split_tcp(address: str) -> tuple[str, str]:
     if not sep or not host or not (port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"expected tcp://HOST:PORT with a port number, got {address!r}")
     return host, port
-
-
-def connectable(address: str) -> str:
-    """The address a process on this host connects to, for one bound at ``address``
-    (a wildcard host is reached through the loopback interface)."""
-    if not address.startswith("tcp://"):
-        return address
-    host, port = _split_tcp(address)
-    if host in ("*", "0.0.0.0"):
-        return f"tcp://127.0.0.1:{port}"
-    if host in ("::", "[::]"):
-        return f"tcp://[::1]:{port}"
-    return address
-
-
-def free_tcp_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on this host now (held open together while
-    chosen, so that none is picked twice)."""
-    held: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(sock)
-            sock.bind(("", 0))
-        return [sock.getsockname()[1] for sock in held]
-    finally:
-        for sock in held:
-            sock.close()
 
 
 def _optional_ranks(ranks: Iterable[int] | None) -> frozenset[int] | None:

@@ -47,12 +47,13 @@ from typing import Any, Final, TypeVar, Unpack, final
 import attrs
 import trio
 
+from ..._addresses import free_tcp_ports
 from ..._curve import CurveKeyPair, CurveServer, load_public_key
 from ...config import EngineConfig
 from ...errors import EngineStartupError
 from .._core._router import DataParallelRole
 from .._mp import TrioMPClient, open_trio_mp_client
-from .._multiprocess._remote import RemoteEngines, RestartedEngine, free_tcp_ports
+from .._multiprocess._remote import RemoteEngines, RestartedEngine
 from .._options import ClientOptionKeywords, ClientOptions, options_from
 from ._settings import RayEngines, describe_location
 

@@ -309,3 +309,21 @@ def test_the_architecture_guide_names_every_other_module_of_the_package() -> Non
     ]
     missing = [str(p.relative_to(PACKAGE)) for p in others if p.name not in text]
     assert not missing, f"modules the architecture guide does not name: {missing}"
+
+
+def test_only_the_lifecycle_writes_where_an_engine_stands() -> None:
+    """An engine's state has one writer (``client/_core/_lifecycle.py``): what notices
+    a death or a recovery reports it, and the state decides."""
+    writers: set[str] = set()
+    for path in CLIENT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                else []
+            )
+            if any(isinstance(t, ast.Attribute) and t.attr == "state" for t in targets):
+                writers.add(str(path.relative_to(CLIENT)))
+    assert writers == {"_core/_lifecycle.py"}

@@ -640,13 +640,13 @@ def test_every_failure_policy_the_docs_name_exists() -> None:
     """``on_engine_failure="VALUE"``, in a page, a tutorial or a docstring: VALUE is
     one of the policies (the other values are ``Restart(...)``, a placeholder or a
     variable)."""
-    from trio_enginecore.client._options import FAILURE_POLICIES
+    from trio_enginecore.client._core._policy import POLICY_NAMES
 
     wrong: list[str] = []
     for page in [README, *doc_pages(), *TUTORIAL_PROGRAMS, *package_sources()]:
         text = page.read_text()
         for match in re.finditer(r"on_engine_failure\s*=\s*\\?(['\"])(?P<value>.*?)\\?\1", text):
-            if match["value"] not in FAILURE_POLICIES:
+            if match["value"] not in POLICY_NAMES:
                 line = text.count("\n", 0, match.start()) + 1
                 wrong.append(f"{page.relative_to(ROOT)}:{line}: {match[0]}")
     assert not wrong, "failure policies that do not exist:\n" + "\n".join(wrong)
@@ -656,11 +656,11 @@ def test_every_failure_policy_the_docs_name_exists() -> None:
 def test_the_engine_death_tutorials_cover_every_failure_policy(page_name: str) -> None:
     """A reader looking for ``on_engine_failure`` finds both tutorials about deaths, and
     each names all three policies."""
-    from trio_enginecore.client._options import FAILURE_POLICIES
+    from trio_enginecore.client._core._policy import POLICY_NAMES
 
     text = (TUTORIALS / f"{page_name}.md").read_text()
     assert "on_engine_failure" in text
-    missing = [policy for policy in FAILURE_POLICIES if f'"{policy}"' not in text]
+    missing = [policy for policy in POLICY_NAMES if f'"{policy}"' not in text]
     assert not missing, f"{page_name}.md does not name the policies {missing}"
     assert "never restarts" not in text, f"{page_name}.md says a client never restarts"
 

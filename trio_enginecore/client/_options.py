@@ -16,21 +16,17 @@ from .._listeners import ListenerFd
 from ..coordinator import CoordinatorAddresses
 from ._core._lb import LoadBalancer
 from ._core._liveness_rules import DEFAULT_LIVENESS, Liveness
-from ._core._policy import POLICY_NAMES, FailurePolicy, resolve_policy
+from ._core._policy import FailurePolicy, resolve_policy
 from ._core._settings_checks import positive_number
 from ._multiprocess._remote import RemoteEngines
 
 __all__ = [
-    "FAILURE_POLICIES",
     "ClientOptionKeywords",
     "ClientOptions",
     "FailurePolicy",
     "InprocOptionKeywords",
     "options_from",
 ]
-
-
-FAILURE_POLICIES: Final = POLICY_NAMES
 
 
 def _failure_policy(_: object, attribute: attrs.Attribute[Any], value: object) -> None:

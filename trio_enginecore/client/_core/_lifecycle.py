@@ -49,15 +49,16 @@ class EngineLifecycle:
         under ``restart`` the engine is marked restarting. Returns whether this was
         news (an engine in service, the client open).
         """
+        state = self._state
         if not engine.alive:
             return False
         engine.state = "dead"
         engine.death = reason
         engine.suspicion = None
-        if self._state.closing:
+        if state.closing:
             return False
         logger.error("%s died: %s", engine.describe(), reason)
-        verdict = self._state.policy.on_death(others_in_service=self._others_in_service(engine))
+        verdict = state.policy.on_death(others_in_service=self._others_in_service(engine))
         if verdict == "restart":
             engine.state = "restarting"
         self._fail_engine(
@@ -109,18 +110,19 @@ class EngineLifecycle:
     def engine_given_up(self, engine: EngineHandle, reason: str) -> None:
         """A restarting engine will not be restarted again: it is dead for good, and
         the client fails if no engine is left."""
+        state = self._state
         if not engine.restarting:
             return
         engine.state = "dead"
         engine.death = reason
-        if not self._state.closing:
+        if not state.closing:
             logger.error("%s: %s", engine.describe(), reason)
             self._fail_engine(
                 engine,
                 f"{engine.describe()}: {reason}",
                 whole=not self._others_in_service(engine),
             )
-        self._state.wake_engine_waiters()  # they look again, and raise
+        state.wake_engine_waiters()  # they look again, and raise
 
     def engines_stopped(self) -> None:
         """The client closed and its transport stopped: no engine is in service."""
@@ -144,30 +146,31 @@ class EngineLifecycle:
         """Fail what depends on ``engine``, and the client too if ``whole`` (the
         policy's verdict). Requests lost by an engine in service (``in_service``) fail
         alone, whatever the policy."""
-        if whole and self._state.failure is None:
-            first = isinstance(self._state.policy, Fail)
-            self._state.failure = message if first else f"no engine is left: {message}"
-            self._state.failure_notice = engine.death_notice(self._state.failure, retryable=False)
-            self._state.ended.set()
+        state = self._state
+        if whole and state.failure is None:
+            first = isinstance(state.policy, Fail)
+            state.failure = message if first else f"no engine is left: {message}"
+            state.failure_notice = engine.death_notice(state.failure, retryable=False)
+            state.ended.set()
         elif not whole and not in_service:
-            serving = [e.rank for e in self._state.engines if e.alive]
+            serving = [e.rank for e in state.engines if e.alive]
             what = "restarting" if engine.restarting else "routing around"
             logger.warning("%s %s; engine(s) %s in service", what, engine.describe(), serving)
         # Sending again is worth it while an engine is (or will be) in service.
         notice = engine.death_notice(message, retryable=not whole)
         orphans: list[EngineCoreOutput] = []
         orphaned_ids: list[str] = []
-        for wire_id, owner in list(self._state.inflight.items()):
+        for wire_id, owner in list(state.inflight.items()):
             if owner is engine:
-                stream = self._state.streams.get(wire_id)
-                user_id = self._state.user_id(wire_id)
+                stream = state.streams.get(wire_id)
+                user_id = state.user_id(wire_id)
                 orphaned_ids.append(wire_id)
                 if not whole:
                     # A retry under the same id must not meet this request's late
                     # outputs, should the engine come back (an attached engine cut
                     # off by the network, say): it is sent under a fresh wire id.
-                    self._state.bury(user_id)
-                self._state.forget(wire_id)
+                    state.bury(user_id)
+                state.forget(wire_id)
                 if stream is not None:
                     stream.fail(message, notice=notice)
                 elif not whole:
@@ -179,12 +182,12 @@ class EngineLifecycle:
                             error=RequestError("engine_dead", message, retryable=True),
                         )
                     )
-        self._state.calls.fail(notice, engine=None if whole else engine)
+        state.calls.fail(notice, engine=None if whole else engine)
         if orphaned_ids and not whole:
             # Best effort, for an engine that may still be running; one that is gone
             # never reads it.
-            self._state.send_abort(engine, orphaned_ids)
+            state.send_abort(engine, orphaned_ids)
         if orphans:
-            self._state.batched_outputs += len(orphans)
-            self._state.batches.put(EngineCoreOutputs(engine_index=engine.rank, outputs=orphans))
-        self._state.wake_batch_readers()
+            state.batched_outputs += len(orphans)
+            state.batches.put(EngineCoreOutputs(engine_index=engine.rank, outputs=orphans))
+        state.wake_batch_readers()

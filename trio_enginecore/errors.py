@@ -10,7 +10,11 @@ so ``except trio_enginecore.errors.EngineCoreError`` catches all of them::
     ├── EngineDeadError        an engine died while the client was using it
     ├── RequestFailedError     the engine ended a streamed request with an error
     ├── UtilityCallError       an engine-side utility method raised
-    └── EngineConsensusError   engines that should agree gave different answers
+    ├── EngineConsensusError   engines that should agree gave different answers
+    ├── InvalidInputError      a text request's field is wrong (also a ValueError and
+    │                          a TypeError); names the field
+    └── ModelDirectoryError    a model directory's file is missing or malformed
+                               (also a ValueError); names the file
 
 Mistakes in the arguments of a call (a request id that is not a ``str``, a request id
 already in flight, ...) are the built-in ``TypeError`` and ``ValueError``, raised before
@@ -28,6 +32,8 @@ __all__ = [
     "EngineCoreError",
     "EngineDeadError",
     "EngineStartupError",
+    "InvalidInputError",
+    "ModelDirectoryError",
     "ProtocolError",
     "RequestFailedError",
     "UtilityCallError",
@@ -154,3 +160,38 @@ class UtilityCallError(EngineCoreError):
 
 class EngineConsensusError(EngineCoreError):
     """Engines that should agree (e.g. on ``is_sleeping``) gave different answers."""
+
+
+class InvalidInputError(EngineCoreError, ValueError, TypeError):
+    """A text request (a prompt or a sampling parameter) cannot be served as given.
+
+    Raised by the text layer (:mod:`trio_enginecore.text`) before anything is sent: an
+    empty prompt, a prompt longer than the engine's ``max_model_len``, a token id
+    outside the vocabulary, a stop string that is not a string, ``n = 0``, ... Other
+    requests are not affected. It is both a ``ValueError`` and a ``TypeError`` (wrong
+    values and wrong types alike), so ``except ValueError`` catches it.
+
+    Attributes:
+        param: the field at fault, as an OpenAI-style server names it (``"prompt"``,
+            ``"n"``, ``"stop"``, ``"min_tokens"``, ...).
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+class ModelDirectoryError(EngineCoreError, ValueError):
+    """A file of a model directory is missing or cannot be used.
+
+    Attributes:
+        path: the file (or directory) at fault.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason

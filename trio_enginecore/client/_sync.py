@@ -24,6 +24,7 @@ import trio
 from ..config import EngineConfig
 from ..protocol import (
     EngineCoreOutputs,
+    EngineCoreReadyResponse,
     EngineCoreRequest,
 )
 from ._interface import ClientStatistics, EngineCoreClient
@@ -162,6 +163,11 @@ class SyncMPClient(EngineCoreClient):
         if client is None:
             raise self._portal.unusable()
         return client
+
+    @property
+    def engines(self) -> tuple[EngineCoreReadyResponse | None, ...]:
+        """Each engine's ready message, by rank (``None`` for one not ready)."""
+        return self._trio_client.engines
 
     @property
     def engine_pids(self) -> tuple[int | None, ...]:

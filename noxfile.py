@@ -87,8 +87,8 @@ def ray(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Run the demo against the built-in reference engine."""
-    session.install("-e", ".")
+    """Run the demo against the built-in reference engine (text in, text out)."""
+    session.install("-e", ".[text]")
     session.run("trio-enginecore", "demo", *session.posargs)
 
 
@@ -124,6 +124,35 @@ def bench_releases(session: nox.Session) -> None:
     """
     session.install("-e", ".")
     session.run("python", "-m", "benchmarks.releases", *session.posargs)
+
+
+@nox.session
+def bench_text(session: nox.Session) -> None:
+    """Text streams' frontend CPU per output token: trio_enginecore.text.AsyncLLM over our
+    client against vLLM 0.34's own AsyncLLM, each on vLLM 0.34's real engine core (the
+    counter executor, zero step cost), C = 64 and 512, alternating in one run.
+
+    Needs the vLLM 0.34 environment that ``nox -s "interop(vllm='0.34')"`` builds; nothing
+    is built here (without it the session fails, saying so). Writes
+    benchmarks/results/text.{json,md} (about 3 to 4 minutes on 2 cores; run it on a quiet
+    machine: the report states the load average). ``-- --quick`` is a smoke run into a
+    new temporary directory; ``-- --rounds N``, ``-- --out DIR``, ``-- --no-profile``.
+    """
+    env_dir = _vllm_env_dir(BENCH_TEXT_VLLM_RELEASE)
+    if not (env_dir / "recipe.json").exists():
+        session.error(
+            f"no vLLM {BENCH_TEXT_VLLM_RELEASE} environment at {env_dir}: "
+            f"`nox -s \"interop(vllm='{BENCH_TEXT_VLLM_RELEASE}')\"` builds it"
+        )
+    session.install("-e", ".[text]")
+    session.run(
+        "python",
+        "-m",
+        "benchmarks.text",
+        "--vllm-python",
+        str(env_dir / "bin" / "python"),
+        *session.posargs,
+    )
 
 
 # The CPU-only vLLM environments of the interop session, one per vLLM release: vLLM's
@@ -202,6 +231,7 @@ VLLM_RECIPES: dict[str, dict[str, list[str]]] = {
 }
 VLLM_RELEASES = list(VLLM_RECIPES)
 BENCH_VLLM_RELEASE = "0.33"  # benchmarks/vllm_worker.py is written for 0.33's client
+BENCH_TEXT_VLLM_RELEASE = "0.34"  # benchmarks/vllm_text_worker.py: 0.34's AsyncLLM
 _VLLM_ENV_CHECK = (
     "from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient; "
     "from vllm.v1.engine.core import EngineCoreProc; "

@@ -302,7 +302,7 @@ def test_every_public_name_of_a_public_module_is_documented(module_name: str) ->
     assert not missing, f"names in {module.__name__}.__all__ with no autodoc directive: {missing}"
 
 
-@pytest.mark.parametrize("module_name", ["client", "coordinator", "engine", "testing"])
+@pytest.mark.parametrize("module_name", ["client", "coordinator", "engine", "testing", "text"])
 def test_every_public_name_of_a_subpackage_is_documented(module_name: str) -> None:
     """As for the top level: each name of the namespace's ``__all__`` (held by
     ``tests/test_layout.py``) has an autodoc directive, under whichever name."""

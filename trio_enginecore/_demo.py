@@ -1,4 +1,8 @@
-"""``trio-enginecore demo``: the whole stack on the built-in engine, in a minute."""
+"""``trio-enginecore demo``: the whole stack on the built-in engine, in a minute.
+
+Text in, text out: the built-in ``ngram`` engine with the tokenizer shipped for it
+(:mod:`trio_enginecore.text`), then the token-level client underneath.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,8 @@ from typing import TextIO
 
 import trio
 
-from .client import TrioMPClient, open_engine_client
 from .config import EngineConfig
-from .engine import NgramModel
-from .protocol import EngineCoreRequest
+from .protocol import RequestOutputKind
 
 PROMPTS = [
     ("The scheduler", 1),
@@ -19,79 +21,85 @@ PROMPTS = [
 ]
 
 
-async def _generate(
-    client: TrioMPClient,
-    model: NgramModel,
-    request_id: str,
-    prompt: str,
-    seed: int,
-    counts: dict[str, int],
-) -> str:
-    tokens: list[int] = []
-    request = EngineCoreRequest.for_tokens(
-        model.tokenize(prompt), request_id=request_id, max_tokens=160, seed=seed, temperature=0.7
-    )
-    async with client.stream(request) as outputs:
-        async for output in outputs:
-            tokens += output.new_token_ids
-            counts[request_id] = len(tokens)
-    return prompt + model.detokenize(tokens)
-
-
 async def run_demo(out: TextIO = sys.stdout, *, step_time_s: float = 0.01) -> None:
-    """Launch the engine, stream, cancel, call utilities, shut down."""
+    """Launch the engine, stream text, stop on a string, cancel, call utilities, shut
+    down."""
+    try:
+        from .text import AsyncLLM, open_llm
+    except ImportError as exc:  # the text extra is missing
+        raise SystemExit(
+            f"the demo writes text and needs the 'text' extra: "
+            f"pip install 'trio-enginecore[text]' ({exc})"
+        ) from None
     tty = out.isatty()
 
     def say(text: str = "") -> None:
         print(text, file=out, flush=True)
 
-    model = NgramModel()
     config = EngineConfig(model="ngram", step_time_s=step_time_s)
-    say("Starting the built-in engine (model 'ngram') as a child process...")
+    say("Starting the built-in engine (model 'ngram', its tokenizer shipped with the package)...")
     started = trio.current_time()
-    async with open_engine_client(config) as client:
-        ready = client.engines[0]
+    async with open_llm(config) as llm:
+        client = llm.client
+        ready = client.engines[0]  # type: ignore[attr-defined]
         assert ready is not None
         say(
             f"Engine ready in {trio.current_time() - started:.2f} s "
-            f"(pid {client.engine_pids[0]}, max_model_len {ready.max_model_len})."
+            f"(pid {client.engine_pids[0]}, max_model_len {ready.max_model_len})."  # type: ignore[attr-defined]
         )
 
-        say(f"\n1. Streaming {len(PROMPTS)} generations at once, one stream per task:")
-        counts = {f"gen-{i}": 0 for i in range(len(PROMPTS))}
-        texts: dict[int, str] = {}
+        say(f"\n1. Streaming {len(PROMPTS)} texts at once, one task each (text as it comes):")
+        texts: dict[int, str] = dict.fromkeys(range(len(PROMPTS)), "")
+
+        async def one(llm: AsyncLLM, i: int, prompt: str, seed: int) -> None:
+            async with llm.generate(
+                prompt,
+                max_tokens=160,
+                seed=seed,
+                temperature=0.7,
+                output_kind=RequestOutputKind.DELTA,
+            ) as outputs:
+                async for output in outputs:
+                    texts[i] += output.outputs[0].text
+
         async with trio.open_nursery() as nursery:
-
-            async def one(i: int, prompt: str, seed: int) -> None:
-                texts[i] = await _generate(client, model, f"gen-{i}", prompt, seed, counts)
-
             for i, (prompt, seed) in enumerate(PROMPTS):
-                nursery.start_soon(one, i, prompt, seed)
+                nursery.start_soon(one, llm, i, prompt, seed)
             if tty:
-                while len(texts) < len(PROMPTS):
-                    progress = "  ".join(f"[{i + 1}] {n:3d}" for i, n in enumerate(counts.values()))
-                    print(f"\r   tokens so far: {progress}", end="", file=out, flush=True)
+                while nursery.child_tasks:
+                    progress = "  ".join(f"[{i + 1}] {len(t):3d}" for i, t in texts.items())
+                    print(f"\r   characters so far: {progress}", end="", file=out, flush=True)
                     await trio.sleep(0.05)
                 print("\r" + " " * 60 + "\r", end="", file=out, flush=True)
-        for i in range(len(PROMPTS)):
-            say(f"   [{i + 1}] (seed {PROMPTS[i][1]}) {texts[i]!r}")
+        for i, (prompt, seed) in enumerate(PROMPTS):
+            say(f"   [{i + 1}] (seed {seed}) {prompt + texts[i]!r}")
 
-        say("\n2. Cancelling a long generation after 0.3 s (move_on_after):")
-        received = 0
-        with trio.move_on_after(0.3):
-            long = EngineCoreRequest.for_tokens(
-                model.tokenize("Structured"), request_id="long", max_tokens=4000, seed=9
-            )
-            async with client.stream(long) as outputs:
-                async for output in outputs:
-                    received += len(output.new_token_ids)
-        waiting, running = await client.get_request_counts()
+        say("\n2. A stop string: the text ends before it, the engine is told to stop:")
+        output = await llm.complete("Tea is", max_tokens=200, seed=4, stop=["."])
+        completion = output.outputs[0]
         say(
-            f"   received {received} tokens, then left the block: the client sent ABORT; "
-            f"the engine now has {waiting} waiting and {running} running requests."
+            f"   {'Tea is' + completion.text!r} (finish_reason={completion.finish_reason!r}, "
+            f"stop_reason={completion.stop_reason!r})"
         )
 
-        say("\n3. Utility calls:")
+        say("\n3. Two samples of one prompt (n=2):")
+        output = await llm.complete("The river", max_tokens=60, n=2, seed=8)
+        for choice in output.outputs:
+            say(f"   [{choice.index}] {'The river' + choice.text!r}")
+
+        say("\n4. Cancelling a long generation after 0.3 s (move_on_after):")
+        received = 0
+        with trio.move_on_after(0.3):
+            async with llm.generate("Structured", max_tokens=4000, seed=9) as outputs:
+                async for output in outputs:
+                    received = len(output.outputs[0].text)
+        waiting, running = await client.get_request_counts()
+        say(
+            f"   received {received} characters, then left the block: the client sent "
+            f"ABORT; the engine now has {waiting} waiting and {running} running requests."
+        )
+
+        say("\n5. Utility calls:")
         say(f"   get_supported_tasks() -> {await client.get_supported_tasks()!r}")
         await client.sleep()
         say(f"   sleep(); is_sleeping() -> {await client.is_sleeping()!r}")

@@ -72,11 +72,14 @@ async def vllm_engine(
     tmp_path: Path,
     *,
     python: Path | None = None,
+    model_dir: Path | None = None,
     **options: Any,
 ) -> AsyncIterator[VllmEngine]:
     """A vLLM engine core started by ``mode``'s launcher, and our client, ready.
 
     ``python``: the environment of another vLLM release than the one under test;
+    ``model_dir``: the model to serve (a directory with a ``config.json`` the counter
+    executor can serve; default: the launcher's tiny llama);
     ``options``: more of ``open_engine_client``'s options (``liveness``, say)."""
     client_args: dict[str, Any]
     if mode == "headless":
@@ -87,6 +90,8 @@ async def vllm_engine(
         inputs, outputs = f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output"
         script, args = "launch_attach.py", ["--input-address", inputs, "--output-address", outputs]
         client_args = {"input_address": inputs, "output_address": outputs}
+    if model_dir is not None:
+        args += ["--model-dir", str(model_dir)]
     with vllm_process(script, args, tmp_path / f"vllm-{mode}.log", python=python) as launcher:
         start = trio.current_time()
         try:

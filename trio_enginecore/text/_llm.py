@@ -134,6 +134,12 @@ class AsyncLLM:
         self,
         prompt: PromptInput,
         sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
         **sampling: Unpack[SamplingKeywords],
     ) -> RequestOutput:
         """Generate and return the final output (every sequence, whole).
@@ -147,7 +153,15 @@ class AsyncLLM:
         params = sampling_params_from(sampling_params, sampling)
         params = _with_kind(params, RequestOutputKind.FINAL_ONLY)
         last: RequestOutput | None = None
-        async with self.generate(prompt, params) as outputs:
+        async with self.generate(
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+        ) as outputs:
             async for output in outputs:
                 last = output
         assert last is not None, "a finished request always has a final output"
@@ -335,7 +349,10 @@ class _GenerationBlock(AbstractAsyncContextManager[GenerationStream]):
         return trio.lowlevel.Abort.SUCCEEDED
 
     async def _next_merged(self) -> RequestOutput:
+        # As RequestStream: every schedule point comes before the take.
         await trio.lowlevel.checkpoint_if_cancelled()
+        if self._slot is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
         while self._slot is None:
             if self._failure is not None:
                 raise self._failure

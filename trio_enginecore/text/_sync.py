@@ -130,6 +130,12 @@ class SyncLLM:
         self,
         prompt: PromptInput,
         sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
         **sampling: Unpack[SamplingKeywords],
     ) -> RequestOutput:
         """Generate and return the final output (every sequence, whole)."""
@@ -138,7 +144,15 @@ class SyncLLM:
         params = sampling_params_from(sampling_params, sampling)
         params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         last: RequestOutput | None = None
-        with self.generate(prompt, params) as outputs:
+        with self.generate(
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+        ) as outputs:
             for output in outputs:
                 last = output
         assert last is not None, "a finished request always has a final output"

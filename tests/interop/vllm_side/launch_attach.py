@@ -30,6 +30,9 @@ def main() -> int:
     parser.add_argument("--input-address", action="append", required=True)
     parser.add_argument("--output-address", action="append", required=True)
     parser.add_argument("--model", default="llama", choices=["llama", "mixtral"])
+    parser.add_argument(
+        "--model-dir", help="serve this model directory (its config.json) instead of --model"
+    )
     parser.add_argument("--data-parallel-size", type=int, default=1)
     args = parser.parse_args()
     exit_with_parent()
@@ -37,7 +40,8 @@ def main() -> int:
     from fake_executor import CounterExecutor
     from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
 
-    config = vllm_config(write_model(args.model), data_parallel_size=args.data_parallel_size)
+    model_dir = args.model_dir or write_model(args.model)
+    config = vllm_config(model_dir, data_parallel_size=args.data_parallel_size)
 
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(0)

@@ -26,6 +26,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--handshake-address", required=True)
     parser.add_argument("--model", default="llama", choices=["llama", "mixtral"])
+    parser.add_argument(
+        "--model-dir", help="serve this model directory (its config.json) instead of --model"
+    )
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-rank", type=int, default=0)
     parser.add_argument("--local-engines", type=int, default=1)
@@ -42,7 +45,8 @@ def main() -> int:
             "data_parallel_size_local": args.local_engines,
             "data_parallel_start_rank": args.data_parallel_rank,
         }
-    config = vllm_config(write_model(args.model), headless=True, **parallel)
+    model_dir = args.model_dir or write_model(args.model)
+    config = vllm_config(model_dir, headless=True, **parallel)
 
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(0)

@@ -230,3 +230,15 @@ def test_finishing_gives_out_the_held_back_text(delta: bool) -> None:
     d.update(ids("abcd"), False)
     assert d.next_text(finished=False, delta=delta) == "a"
     assert d.next_text(finished=True, delta=delta) == ("bcd" if delta else "abcd")
+
+
+def test_a_prompts_stray_byte_stays_the_prompts() -> None:
+    # The prompt ends in a byte that is no character (0xAD) and then the first byte of
+    # an emoji: the output completes the emoji only. Its text is what decoding prompt
+    # and output together adds to the prompt's own text.
+    prompt = [*ids("Hi"), 0xAD, *ids("🙂")[:1]]
+    d = IncrementalDetokenizer(BYTES, prompt)
+    for b in ids("🙂")[1:] + ids("!"):
+        d.update([b], False)
+    assert d.text == "🙂!"
+    assert d.repaired_prompt_leak

@@ -60,6 +60,21 @@ _REPLACEMENT: Final = "\ufffd"
 _CONTEXT: Final = 8
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n
+    while low < high:  # the longest k with a[:k] == b[:k]
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def find_stop_string(
     text: str, new_chars: int, stop: Sequence[str], *, include_in_output: bool
 ) -> tuple[str, int] | None:
@@ -301,33 +316,40 @@ class IncrementalDetokenizer:
         return tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _without_prompt_text(self, piece: str) -> str:
-        # The first text after a prompt that ended inside a character: the decoder
-        # gives the prompt's text again with it. What the output adds is what follows
-        # the prompt's last complete character.
+        # The first text after a prompt whose text ended in U+FFFD (an unfinished
+        # character, or a byte that is no character): the decoder gives the prompt's
+        # text again with it. What the output adds is what follows the text the prompt
+        # and the output have in common (an unfinished character the output completes
+        # belongs to the output; a stray byte's U+FFFD stays the prompt's).
         self._prompt_open = False
-        before = self._decode(self._prompt_tail).rstrip(_REPLACEMENT)
+        before = self._decode(self._prompt_tail)
         after = self._decode(self._prompt_tail + self.token_ids)
-        if not after.startswith(before) or not piece.endswith(after[len(before) :]):
+        added = after[_common_prefix(before, after) :]
+        if not piece.endswith(added):
             return piece  # not the shape this repair knows: leave the decoder's text
-        self.repaired_prompt_leak = piece != after[len(before) :]
-        return after[len(before) :]
+        self.repaired_prompt_leak = piece != added
+        return added
 
     def _flush(self) -> None:
-        # The sequence ends with tokens the decoder holds (their text ends inside a
-        # character): give out the complete characters among them.
+        # The sequence ends with tokens the decoder holds (their text ends in U+FFFD):
+        # give out the complete characters among them; the trailing U+FFFDs (an
+        # unfinished character, or stray bytes) stay out, as the decoder leaves them.
         pending = self._pending
         history = self._prompt_tail + self.token_ids[: len(self.token_ids) - len(pending)]
         context = history[-_CONTEXT:]
         before = self._decode(context)
-        if self._prompt_open and len(self.token_ids) == len(pending):
-            before = before.rstrip(_REPLACEMENT)
         after = self._decode(context + pending)
         self._pending = []
-        if after.startswith(before):
-            extra = after[len(before) :].rstrip(_REPLACEMENT)
-            if extra:
-                self.text += extra
-                self.flushed_at_finish = True
+        if self._prompt_open:
+            start = _common_prefix(before, after)
+        elif after.startswith(before):
+            start = len(before)
+        else:
+            return  # not the shape this repair knows
+        extra = after[start:].rstrip(_REPLACEMENT)
+        if extra:
+            self.text += extra
+            self.flushed_at_finish = True
 
     def next_text(self, *, finished: bool, delta: bool) -> str:
         """The text to hand out now: what is new since the last call (``delta``), or

@@ -29,7 +29,7 @@ async def run_demo(out: TextIO = sys.stdout, *, step_time_s: float = 0.01) -> No
     except ImportError as exc:  # the text extra is missing
         raise SystemExit(
             f"the demo writes text and needs the 'text' extra: "
-            f"pip install 'trio-enginecore[text]' ({exc})"
+            f"pip install '/path/to/trio-enginecore[text]' ({exc})"
         ) from None
     tty = out.isatty()
 

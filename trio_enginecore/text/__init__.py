@@ -8,7 +8,7 @@ sampling and logprobs as text, over any engine client (vLLM's ``AsyncLLM`` and
         output = await llm.complete("The river", max_tokens=40, stop=["."])
         print(output.outputs[0].text)
 
-Needs the ``text`` extra (``pip install 'trio-enginecore[text]'``: the ``tokenizers``
+Needs the ``text`` extra (``pip install "/path/to/trio-enginecore[text]"``: the ``tokenizers``
 package). The pure parts (:class:`IncrementalDetokenizer`, :class:`TextRequestState`)
 do no I/O and can be driven by hand, as the tests do.
 """

@@ -57,7 +57,8 @@ def _import_tokenizers() -> Any:
         import tokenizers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the text layer needs the 'tokenizers' package: pip install 'trio-enginecore[text]'"
+            "the text layer needs the 'tokenizers' package (the 'text' extra): "
+            "pip install '/path/to/trio-enginecore[text]'"
         ) from exc
     return tokenizers
 

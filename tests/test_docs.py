@@ -34,6 +34,14 @@ TUTORIAL_TIMEOUT_S = 60
 # tutorial needs an entry here (the test says so); keep the fragments to what does not
 # vary between runs (no pids, no timings).
 EXPECTED_OUTPUT: dict[str, list[str]] = {
+    "text": [
+        "complete: 'The river which that frame dies",
+        "stream: 'Tea ishes stoeses its will waitinside",
+        "finished: stop on '.'",
+        "sample 0: ' frograme down.'",
+        "sample 1: ",
+        "refused (stop): stop: item 0 must be a string, got int 42",
+    ],
     "testing": [
         "passed: test_collects_every_token_and_the_finish_reason",
         "passed: test_gives_up_after_the_timeout_and_aborts_the_request",

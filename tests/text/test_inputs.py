@@ -36,7 +36,7 @@ def prepare(prompt: Any, max_model_len: int = 64, **sampling: Any) -> Any:
         (7, {}, "prompt", "got int"),
         ({"text": "x"}, {}, "prompt", "needs 'prompt' or 'prompt_token_ids'"),
         ("hi", {"stop": 5}, "stop", "got int"),
-        ("hi", {"stop": ["ok", 3]}, "stop", r"stop\[1\] must be a string"),
+        ("hi", {"stop": ["ok", 3]}, "stop", "item 1 must be a string"),
         ("hi", {"stop": [""]}, "stop", "cannot be empty"),
         ("hi", {"n": 0}, "n", "at least 1"),
         ("hi", {"min_tokens": -1}, "min_tokens", ">= 0"),

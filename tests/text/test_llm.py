@@ -7,7 +7,11 @@ Timing rules: engines run on this machine's two cores; no test asserts a duratio
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import trio
@@ -196,3 +200,17 @@ def test_the_blocking_face_serves_several_threads() -> None:
             llm.generate("hi", n=0)
     assert len(results) == 4
     assert all(results.values())
+
+
+def test_the_readmes_text_example_prints_what_the_readme_says(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tour = readme[readme.index("## A short tour") :]
+    program = tour[tour.index("```python\n") + len("```python\n") : tour.index("```\n\nIt prints")]
+    claimed = re.search(r"It prints `([^`]*)`", tour)
+    assert claimed is not None
+    script = tmp_path / "readme_example.py"
+    script.write_text(program)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.rstrip("\n") == claimed.group(1)

@@ -109,10 +109,10 @@ def _check_stop(stop: object) -> None:
     for i, item in enumerate(items):
         if not isinstance(item, str):
             raise InvalidInputError(
-                "stop", f"stop[{i}] must be a string, got {type(item).__name__} {item!r}"
+                "stop", f"item {i} must be a string, got {type(item).__name__} {item!r}"
             )
         if not item:
-            raise InvalidInputError("stop", f"stop[{i}] is empty: a stop string cannot be empty")
+            raise InvalidInputError("stop", f"item {i} is empty: a stop string cannot be empty")
 
 
 def _prompt_parts(prompt: object, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:

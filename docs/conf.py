@@ -68,7 +68,7 @@ napoleon_use_rtype = False
 nitpicky = True
 nitpick_ignore_regex = [
     # Third-party and standard-library names: no inventory to resolve them against.
-    (r"py:.*", r"(trio|msgspec|numpy|np|npt|zmq|attrs|hypercorn|httpx)(\..*)?"),
+    (r"py:.*", r"(trio|msgspec|numpy|np|npt|zmq|attrs|hypercorn|httpx|tokenizers)(\..*)?"),
     (
         r"py:.*",
         r"(contextlib|collections\.abc|typing|types|enum|abc|threading|random|os|pathlib)\..*",
@@ -100,6 +100,14 @@ nitpick_ignore = [
     # The reference engine's core, which TrioInprocClient.core returns: its API is
     # the engine's, documented by the protocol guide rather than as a class.
     ("py:class", "trio_enginecore.engine._core.EngineCore"),
+    # The text layer's block objects (made by generate()) and per-sequence state:
+    # described where they are made.
+    ("py:class", "trio_enginecore.text._llm._GenerationBlock"),
+    ("py:class", "trio_enginecore.text._sync.SyncGeneration"),
+    ("py:class", "trio_enginecore.text._processor.SequenceState"),
+    # Names the text layer's signatures use under TYPE_CHECKING-only imports.
+    ("py:class", "Path"),
+    ("py:class", "ClientOptionKeywords"),
 ]
 
 # -- HTML ---------------------------------------------------------------------------

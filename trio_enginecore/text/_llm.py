@@ -95,7 +95,7 @@ class AsyncLLM:
 
         ``prompt`` is text, or token ids (a list of ints, or vLLM's
         ``{"prompt_token_ids": [...]}``). Give the sampling parameters as a
-        :class:`~trio_enginecore.SamplingParams` or as keywords. What each output holds
+        :class:`~trio_enginecore.protocol.SamplingParams` or as keywords. What each output holds
         follows ``output_kind`` as in vLLM: ``CUMULATIVE`` (the default) everything so
         far, ``DELTA`` what is new, ``FINAL_ONLY`` one output at the end. With
         ``n > 1`` there is one engine request per sequence; outputs name the sequence

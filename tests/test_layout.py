@@ -168,6 +168,37 @@ def test_the_transport_agnostic_client_depends_on_no_transport(module: str) -> N
     assert not external & IO_MODULES, f"{module} reaches {sorted(external & IO_MODULES)}"
 
 
+TEXT = PACKAGE / "text"
+TEXT_PURE_MODULES = [
+    f"trio_enginecore.text.{name}"
+    for name in ("_tokenizer", "_detokenizer", "_logprobs", "_outputs", "_processor", "_inputs")
+]
+
+
+def test_the_text_room_is_its_pure_parts_and_its_io() -> None:
+    modules = {p.stem for p in TEXT.glob("*.py") if p.name != "__init__.py"}
+    io_modules = {"_model_dir", "_llm", "_sync"}
+    assert modules == {name.rpartition(".")[2] for name in TEXT_PURE_MODULES} | io_modules
+
+
+@pytest.mark.parametrize("module", TEXT_PURE_MODULES)
+def test_a_pure_text_module_does_no_io_and_needs_no_trio(module: str) -> None:
+    depends_on, external = _closure(module)
+    assert not external & (IO_MODULES | {"trio"}), f"{module} reaches {sorted(external)}"
+    faces = sorted(
+        name
+        for name in depends_on
+        if name.startswith("trio_enginecore.client")
+        or name
+        in {
+            "trio_enginecore.text._llm",
+            "trio_enginecore.text._sync",
+            "trio_enginecore.text._model_dir",
+        }
+    )
+    assert not faces, f"{module} depends on {faces}"
+
+
 def test_the_io_check_sees_io() -> None:
     """The checks above can fail: the ZeroMQ transport is caught by them."""
     _, external = _closure("trio_enginecore.client._multiprocess._receive")
@@ -179,6 +210,26 @@ def test_the_io_check_sees_io() -> None:
 # ------------------------------------------------------------------ public names
 
 EXPORTS = {
+    "trio_enginecore.text": {
+        "BUILTIN_TOKENIZER_DIR",
+        "AsyncLLM",
+        "CompletionOutput",
+        "GenerationStream",
+        "IncrementalDetokenizer",
+        "InvalidInputError",
+        "Logprob",
+        "ModelDirectoryError",
+        "PromptInput",
+        "RequestOutput",
+        "SyncLLM",
+        "TextPrompt",
+        "TextRequestState",
+        "Tokenizer",
+        "TokensPrompt",
+        "builtin_tokenizer",
+        "load_tokenizer",
+        "open_llm",
+    },
     "trio_enginecore.client": {
         "AsyncEngineCoreClient",
         "ClientLink",

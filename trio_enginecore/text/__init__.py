@@ -27,15 +27,15 @@ from ._inputs import (
 )
 from ._llm import AsyncLLM as AsyncLLM, GenerationStream as GenerationStream, open_llm as open_llm
 from ._logprobs import Logprob as Logprob
-from ._outputs import CompletionOutput as CompletionOutput, RequestOutput as RequestOutput
-from ._processor import TextRequestState as TextRequestState
-from ._sync import SyncLLM as SyncLLM
-from ._tokenizer import (
+from ._model_dir import (
     BUILTIN_TOKENIZER_DIR as BUILTIN_TOKENIZER_DIR,
-    Tokenizer as Tokenizer,
     builtin_tokenizer as builtin_tokenizer,
     load_tokenizer as load_tokenizer,
 )
+from ._outputs import CompletionOutput as CompletionOutput, RequestOutput as RequestOutput
+from ._processor import TextRequestState as TextRequestState
+from ._sync import SyncLLM as SyncLLM
+from ._tokenizer import Tokenizer as Tokenizer
 
 __all__ = [
     "BUILTIN_TOKENIZER_DIR",

@@ -24,8 +24,9 @@ from ..config import EngineConfig
 from ..errors import EngineCoreError, InvalidInputError
 from ..protocol import LoRARequest, RequestOutputKind, SamplingKeywords, SamplingParams
 from ._inputs import PromptInput, prepare_request, sampling_params_from
+from ._model_dir import builtin_tokenizer, load_tokenizer
 from ._outputs import RequestOutput
-from ._tokenizer import Tokenizer, builtin_tokenizer, load_tokenizer
+from ._tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ..client._options import ClientOptionKeywords, ClientOptions

@@ -242,3 +242,30 @@ def test_a_prompts_stray_byte_stays_the_prompts() -> None:
         d.update([b], False)
     assert d.text == "🙂!"
     assert d.repaired_prompt_leak
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stream=st.lists(st.integers(min_value=0, max_value=421), min_size=1, max_size=40),
+    sizes=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=40),
+    skip=st.booleans(),
+)
+def test_several_tokens_in_one_step_give_the_text_of_one_token_a_step(
+    tricky: Tokenizer, stream: list[int], sizes: list[int], skip: bool
+) -> None:
+    # The decoder's batch step is used for several tokens at once where it is exact:
+    # after every step, the text must be what one token a step gives at that point.
+    one_by_one = IncrementalDetokenizer(tricky, [43, 72], skip_special_tokens=skip)
+    texts_after = [one_by_one.text]
+    for i, token_id in enumerate(stream):
+        one_by_one.update([token_id], False, finished=i == len(stream) - 1)
+        texts_after.append(one_by_one.text)
+    grouped = IncrementalDetokenizer(tricky, [43, 72], skip_special_tokens=skip)
+    start = 0
+    for size in sizes * len(stream):
+        if start >= len(stream):
+            break
+        step = stream[start : start + size]
+        start += len(step)
+        grouped.update(step, False, finished=start == len(stream))
+        assert grouped.text == texts_after[start], (stream, start)

@@ -127,6 +127,7 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_added_tokens",
+        "_batch_exact",
         "_decoder_stream",
         "_emitted",
         "_last_was_added",
@@ -177,6 +178,10 @@ class IncrementalDetokenizer:
         self._decoder_stream: Any = None
         self._added_tokens: dict[int, str] | None = None
         self._last_was_added = False
+        # The batch step is used only with decoders for which it is known to give the
+        # same text as single steps (byte-level ones), and with no added-token spacing
+        # to apply token by token.
+        self._batch_exact = False
         self._repair = repair_text and tokenizer is not None
         self._pending: list[int] = []
         self._prompt_tail = list(prompt_token_ids[-_CONTEXT:])
@@ -194,6 +199,7 @@ class IncrementalDetokenizer:
             )
             if not skip_special_tokens and not spaces_between_special_tokens:
                 self._added_tokens = tokenizer.added_tokens or None
+            self._batch_exact = tokenizer.byte_level and self._added_tokens is None
             if self._repair and self._prompt_tail:
                 tail = tokenizer.decode(self._prompt_tail, skip_special_tokens=skip_special_tokens)
                 self._prompt_open = tail.endswith(_REPLACEMENT)
@@ -226,16 +232,62 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output:
             held_stop_token = new_token_ids[-1]
             to_decode = new_token_ids[:-1]
-        tokens_before = len(self.token_ids)
+        token_ids = self.token_ids
+        tokens_before = len(token_ids)
         stop = self._stop
-        offsets: list[int] | None = [len(self.text)] if stop else None
+        # The text is grown in a local with no other reference, which CPython extends
+        # in place: ``self.text += piece`` would copy the whole text every token.
+        text = self.text
+        self.text = ""
+        offsets: list[int] | None = None
+        if stop:
+            offsets = [len(text)]
+        elif (
+            len(to_decode) > 1
+            and self._batch_exact
+            and not self._prompt_open
+            and tokenizer.completes_characters(to_decode[-1], self._skip_special_tokens)
+        ):
+            # No stop strings (no per-token offsets needed), and the last token ends
+            # on a character boundary: one step for all of them gives the text that
+            # one step per token gives (measured: about half the cost at 4 tokens).
+            token_ids.extend(to_decode)
+            piece = self._step(list(to_decode))
+            if piece is not None:
+                text += piece
+                self._pending.clear()
+            elif self._repair:
+                self._pending.extend(to_decode)
+            to_decode = ()
+        step = self._decoder_stream.step
+        backend = tokenizer.backend
+        repair = self._repair
+        added = self._added_tokens
         for token_id in to_decode:
-            self.token_ids.append(token_id)
-            piece = self._decode_next(token_id)
+            token_ids.append(token_id)
+            try:
+                piece = step(backend, token_id)
+            except Exception as exc:
+                piece = self._recover(token_id, exc)
+            if repair:
+                if piece is None:
+                    self._pending.append(token_id)
+                else:
+                    if self._prompt_open:
+                        self.text = text
+                        piece = self._without_prompt_text(piece)
+                    self._pending.clear()
+            if added is not None:
+                content = added.get(token_id)
+                if content is not None and self._last_was_added:
+                    # Back to back with the previous added token: its raw text, unspaced.
+                    piece = content
+                self._last_was_added = content is not None
             if piece:
-                self.text += piece
+                text += piece
             if offsets is not None:
-                offsets.append(len(self.text))
+                offsets.append(len(text))
+        self.text = text
         if finished and self._pending and self._repair:
             self._flush()
             if offsets is not None:
@@ -267,47 +319,39 @@ class IncrementalDetokenizer:
             self.text = self.text[:cut]
         return stop_string
 
-    def _decode_next(self, token_id: int) -> str | None:
-        piece = self._step(token_id)
-        if self._repair:
-            if piece is None:
-                self._pending.append(token_id)
-            else:
-                if self._prompt_open:
-                    piece = self._without_prompt_text(piece)
-                self._pending.clear()
-        added = self._added_tokens
-        if added is not None:
-            content = added.get(token_id)
-            if content is not None and self._last_was_added:
-                # Back to back with the previous added token: its raw text, unspaced.
-                piece = content
-            self._last_was_added = content is not None
+    def _step(self, token_ids: int | list[int]) -> str | None:
+        try:
+            piece: str | None = self._decoder_stream.step(self._backend(), token_ids)
+        except Exception as exc:
+            if isinstance(token_ids, list):
+                raise
+            piece = self._recover(token_ids, exc)
         return piece
 
-    def _step(self, token_id: int) -> str | None:
+    def _backend(self) -> Any:
         tokenizer = self._tokenizer
         assert tokenizer is not None
-        try:
-            piece: str | None = self._decoder_stream.step(tokenizer.backend, token_id)
-        except (OverflowError, TypeError):
+        return tokenizer.backend
+
+    def _recover(self, token_id: int, exc: Exception) -> str | None:
+        # What vLLM's detokenizer does when the decoder raises on a token.
+        if isinstance(exc, OverflowError | TypeError):
             # An id the tokenizer cannot take at all: no text for it.
             logger.warning("request %r: token id %r cannot be decoded", self.request_id, token_id)
             return None
-        except Exception as exc:
-            if not str(exc).startswith(_INVALID_PREFIX):
-                raise
-            # The tokenizer rewrote text it had emitted (some tokenizers' output is not
-            # monotonic), which breaks the stream's state: start a fresh stream (no
-            # prompt context) at this token.
-            logger.warning(
-                "request %r: the decoder met text it cannot extend; starting it afresh",
-                self.request_id,
-            )
-            from tokenizers.decoders import DecodeStream
+        if not str(exc).startswith(_INVALID_PREFIX):
+            raise exc
+        # The tokenizer rewrote text it had emitted (some tokenizers' output is not
+        # monotonic), which breaks the stream's state: start a fresh stream (no
+        # prompt context) at this token.
+        logger.warning(
+            "request %r: the decoder met text it cannot extend; starting it afresh",
+            self.request_id,
+        )
+        from tokenizers.decoders import DecodeStream
 
-            self._decoder_stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
-            piece = self._decoder_stream.step(tokenizer.backend, token_id)
+        self._decoder_stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        piece: str | None = self._decoder_stream.step(self._backend(), token_id)
         return piece
 
     def _decode(self, token_ids: list[int]) -> str:

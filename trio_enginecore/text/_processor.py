@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SequenceState", "TextRequestState", "child_request_id", "child_sampling_params"]
 
+# vLLM's finish reason strings ("stop", "length", ...), looked up rather than made.
+_FINISH_REASONS: dict[FinishReason, str] = {reason: str(reason) for reason in FinishReason}
+
 
 def child_request_id(index: int, request_id: str) -> str:
     """The engine request id of sequence ``index`` of a request with ``n > 1``
@@ -209,7 +212,8 @@ class TextRequestState:
                         lists.sampled_token_ranks[:kept],
                         None,
                     )
-        sequence.logprobs.update(output.new_logprobs, output.new_prompt_logprobs_tensors)
+        if output.new_logprobs is not None or output.new_prompt_logprobs_tensors is not None:
+            sequence.logprobs.update(output.new_logprobs, output.new_prompt_logprobs_tensors)
         finished = finish is not None
         abort = finished and output.finish_reason is None
         if finished:
@@ -258,7 +262,9 @@ class TextRequestState:
                 token_ids = detokenizer.token_ids[sequence.sent_tokens :]
                 sequence.sent_tokens = produced
         text = detokenizer.next_text(finished=finished, delta=delta)
-        token_ids = list(token_ids) if delta else list(detokenizer.token_ids)
+        if not delta:
+            # A delta output owns the engine output's list; a cumulative one a copy.
+            token_ids = list(detokenizer.token_ids)
         decoder = sequence.logprobs
         logprobs = decoder.logprobs
         if logprobs is not None:
@@ -267,13 +273,13 @@ class TextRequestState:
             else:
                 logprobs = list(logprobs)
         completion = CompletionOutput(
-            index=sequence.index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=decoder.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=str(finish) if finish is not None else None,
-            stop_reason=stop_reason if finished else None,
+            sequence.index,
+            text,
+            token_ids,
+            decoder.cumulative_logprob,
+            logprobs,
+            None if finish is None else _FINISH_REASONS[finish],
+            stop_reason if finished else None,
         )
         outputs: list[CompletionOutput]
         if self.n == 1:
@@ -292,18 +298,15 @@ class TextRequestState:
             else:
                 outputs = [completion]
             request_finished = not self._unfinished
-        if delta:
-            prompt_logprobs = decoder.take_prompt_logprobs()
-        else:
-            prompt_logprobs = decoder.prompt_logprobs
-            if prompt_logprobs is not None:
-                prompt_logprobs = list(prompt_logprobs)
+        prompt_logprobs = decoder.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = decoder.take_prompt_logprobs() if delta else list(prompt_logprobs)
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=outputs,
-            finished=request_finished,
-            num_cached_tokens=self.num_cached_tokens,
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            prompt_logprobs,
+            outputs,
+            request_finished,
+            self.num_cached_tokens,
         )

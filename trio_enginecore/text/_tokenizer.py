@@ -91,7 +91,13 @@ class Tokenizer:
         # transformers cleans up spaces only for non-BPE models (it would corrupt BPE
         # text), and only when the directory asks for it.
         self._clean_up = clean_up_tokenization_spaces and model_type != "BPE"
-        self.leading_space_marker = _leading_space_marker(backend)
+        config = _config_of(backend)
+        self.leading_space_marker = _leading_space_marker(config)
+        decoder = as_json_object(config.get("decoder")) if config is not None else None
+        self.byte_level: bool = decoder is not None and decoder.get("type") == "ByteLevel"
+        """Whether the decoder is byte-level (GPT-2 style): its stream decodes several
+        tokens in one step exactly as one at a time."""
+        self._completes: dict[tuple[int, bool], bool] = {}
 
     def __repr__(self) -> str:
         return f"<Tokenizer {str(self.directory)!r}, {self.vocab_size} tokens>"
@@ -119,19 +125,36 @@ class Tokenizer:
                 text = text.replace(before, after)
         return text
 
+    def completes_characters(self, token_id: int, skip_special_tokens: bool) -> bool:
+        """Whether any text that ends with this token ends on a character boundary:
+        its own text is not empty and does not end inside a character. Memoised."""
+        key = (token_id, skip_special_tokens)
+        known = self._completes.get(key)
+        if known is None:
+            try:
+                alone = self.decode([token_id], skip_special_tokens=skip_special_tokens)
+            except (OverflowError, TypeError):
+                alone = ""
+            known = self._completes[key] = bool(alone) and not alone.endswith("\ufffd")
+        return known
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` (its raw piece), or ``None``."""
         token: str | None = self.backend.id_to_token(token_id)
         return token
 
 
-def _leading_space_marker(backend: tokenizers.Tokenizer) -> str | None:
-    # SentencePiece-style (Metaspace) vocabularies write a leading space as a marker
-    # that decode() strips from a lone token; logprob texts restore it.
+def _config_of(backend: tokenizers.Tokenizer) -> dict[str, object] | None:
+    # The tokenizer's own JSON: where its pre-tokenizer and decoder are described.
     try:
-        config = as_json_object(json.loads(backend.to_str()))
+        return as_json_object(json.loads(backend.to_str()))
     except (ValueError, TypeError):  # pragma: no cover - tokenizers always serialises
         return None
+
+
+def _leading_space_marker(config: dict[str, object] | None) -> str | None:
+    # SentencePiece-style (Metaspace) vocabularies write a leading space as a marker
+    # that decode() strips from a lone token; logprob texts restore it.
     pre = as_json_object(config.get("pre_tokenizer")) if config is not None else None
     if pre is None:
         return None

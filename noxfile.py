@@ -134,9 +134,10 @@ def bench_text(session: nox.Session) -> None:
 
     Needs the vLLM 0.34 environment that ``nox -s "interop(vllm='0.34')"`` builds; nothing
     is built here (without it the session fails, saying so). Writes
-    benchmarks/results/text.{json,md} (about 3 to 4 minutes on 2 cores; run it on a quiet
-    machine: the report states the load average). ``-- --quick`` is a smoke run into a
-    new temporary directory; ``-- --rounds N``, ``-- --out DIR``, ``-- --no-profile``.
+    benchmarks/results/text.{json,md}: about 4 minutes on 2 cores. Run it on a quiet
+    machine: the report states the load, and a measurement that other programs disturbed
+    is taken again. ``-- --quick`` is a smoke run into a new temporary directory;
+    ``-- --rounds N``, ``-- --out DIR``, ``-- --no-profile``.
     """
     env_dir = _vllm_env_dir(BENCH_TEXT_VLLM_RELEASE)
     if not (env_dir / "recipe.json").exists():

@@ -47,7 +47,7 @@ Python: ``--vllm-python``, else ``$TRIO_ENGINECORE_VLLM_PYTHON``, else a complet
 ``.nox/vllm-0.34-*``). ``nox -s bench_text`` runs this. Writes ``text.json`` and
 ``text.md`` into ``--out`` (``benchmarks/results`` for a full run; a new temporary
 directory for ``--quick``, whose figures mean nothing). Progress on stderr. A full run
-takes about 3 to 4 minutes on 2 cores.
+(5 rounds) takes about 4 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -153,6 +153,21 @@ def tokenize_texts(tokenizer: Any) -> dict[int, str]:
 # ------------------------------------------------------------------ our worker
 
 
+class CollectorTime:
+    """The time the garbage collector ran (``gc.callbacks``): CPU time of the thread
+    that allocated, part of the frontend's CPU figure."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+
+
 async def _measure_ours(
     llm: Any,
     prompt_texts: list[str],
@@ -195,12 +210,25 @@ async def _measure_ours(
                     if completion.finish_reason == "stop":
                         counts["stopped"] += 1
 
+    collections0 = [g["collections"] for g in gc.get_stats()]
+    collector = CollectorTime()
+    gc.callbacks.append(collector)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(slot)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    return {"cpu_s": cpu, "wall_s": wall, "requests": counts.pop("started"), **counts}
+    # The collector's runs per generation: a figure's variance follows the full ones.
+    gc.callbacks.remove(collector)
+    collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections0, strict=True)]
+    return {
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "requests": counts.pop("started"),
+        **counts,
+        "gc_collections": collections,
+        "gc_s": collector.seconds,
+    }
 
 
 async def _measure_tokenize(tokenizer: Any, calls: int) -> list[dict[str, Any]]:
@@ -583,6 +611,18 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def speed_probe_us() -> float:
+    """The machine's speed now: the best of 5 timings of a fixed piece of Python
+    (``sum(range(100_000))``), in µs. Taken each round: a shared virtual machine's speed
+    drifts, and the report shows by how much."""
+    best = math.inf
+    for _ in range(5):
+        began = time.perf_counter()
+        sum(range(100_000))
+        best = min(best, time.perf_counter() - began)
+    return 1e6 * best
+
+
 def system_busy_seconds() -> float:
     """CPU seconds every CPU has spent busy since boot (all processes), from /proc/stat."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -684,6 +724,22 @@ def vllm_version(python: Path) -> str | None:
     return None
 
 
+def code_facts() -> dict[str, Any]:
+    """Which code was measured: the commit, and the files of the package that differ
+    from it (the working tree is what runs)."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else ""
+
+    # Porcelain lines are "XY path": the status columns may start with a space.
+    changed = git("status", "--porcelain", "--", "trio_enginecore")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip() or None,
+        "package_changes": [line[3:] for line in changed.splitlines() if line.strip()],
+    }
+
+
 def machine_facts() -> dict[str, Any]:
     import tokenizers
 
@@ -736,6 +792,7 @@ def run(args: argparse.Namespace, vllm_python: Path) -> dict[str, Any]:
     )
     addresses = {"input_address": f"ipc://{tmp}/in", "output_address": f"ipc://{tmp}/out"}
     load_before = os.getloadavg()
+    code = code_facts()  # before anything runs: what the workers import
     begun = time.monotonic()
     processes: list[Process] = []
     with started(processes):
@@ -805,8 +862,11 @@ def run(args: argparse.Namespace, vllm_python: Path) -> dict[str, Any]:
         }
         ours_all = descendants(os.getpid())
         runs: list[dict[str, Any]] = []
+        replay: list[dict[str, Any]] = []
+        probes: list[float] = []
         names = list(VARIANTS)
         for round_ in range(args.rounds):
+            probes.append(speed_probe_us())
             for concurrency in CONCURRENCIES:
                 # Rotate the order every round: no variant always runs first or last.
                 shift = round_ % len(names)
@@ -850,10 +910,12 @@ def run(args: argparse.Namespace, vllm_python: Path) -> dict[str, Any]:
                         f"{row['tokens'] / row['wall_s']:,.0f} tokens/s",
                         file=sys.stderr,
                     )
+            # The text layer alone, each round: its shares are taken against the same
+            # round's end-to-end figures (the machine's speed drifts between rounds).
+            ours.send(cmd="replay", requests=16 if args.quick else 32)
+            replay += [{**r, "round": round_} for r in ours.report(300)["rows"]]
         ours.send(cmd="tokenize", calls=200 if args.quick else 2000)
         tokenize = ours.report(300)["rows"]
-        ours.send(cmd="replay", requests=16 if args.quick else 64)
-        replay = ours.report(300)["rows"]
         profile = None
         if not args.no_profile:
             name, concurrency = PROFILED
@@ -882,6 +944,7 @@ def run(args: argparse.Namespace, vllm_python: Path) -> dict[str, Any]:
             "load_after": [round(x, 2) for x in os.getloadavg()],
             "run_seconds": round(time.monotonic() - begun),
             "vllm": {"python": str(vllm_python), "version": vllm_ready["vllm_version"]},
+            "code": code,
         },
         "quick": args.quick,
         "rounds": args.rounds,
@@ -901,6 +964,7 @@ def run(args: argparse.Namespace, vllm_python: Path) -> dict[str, Any]:
         "runs": runs,
         "tokenize": tokenize,
         "replay": replay,
+        "speed_probe_us": probes,
         "profile": profile,
     }
 
@@ -938,6 +1002,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                         r["tokens"] / r["outputs"] for r in runs
                     ),
                     "chars_per_token": statistics.median(r["chars"] / r["tokens"] for r in runs),
+                    "gc_share": statistics.median(r["gc_s"] / r["cpu_s"] for r in runs),
+                    "gc_collections": [
+                        statistics.median(r["gc_collections"][g] for r in runs) for g in range(3)
+                    ],
                     "tokens": runs[0]["tokens"],
                     "prompt_tokens_per_request": runs[0]["prompt_tokens"] / runs[0]["requests"],
                     "stopped": sum(r["stopped"] for r in runs),
@@ -949,22 +1017,42 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         found = [r for r in rows if r["variant"] == name and r["concurrency"] == concurrency]
         return found[0] if found else {"cpu_us_per_token": math.nan, "tokens_per_output": 1.0}
 
-    def replayed(case: str, per_output: int) -> float:
-        for r in result.get("replay") or ():
-            if r["case"] == case and r["tokens_per_output"] == per_output:
-                return float(r["cpu_us_per_token"])
-        return math.nan
+    def replayed(case: str, per_output: int, round_: int | None = None) -> float:
+        """A replay figure: one round's, or the median over the rounds."""
+        found = [
+            float(r["cpu_us_per_token"])
+            for r in result.get("replay") or ()
+            if r["case"] == case
+            and r["tokens_per_output"] == per_output
+            and (round_ is None or r["round"] == round_)
+        ]
+        return statistics.median(found) if found else math.nan
 
     replay_ks = sorted({r["tokens_per_output"] for r in result.get("replay") or ()})
     ratios, shares = [], []
+
+    def per_round(name: str, concurrency: int) -> dict[int, float]:
+        return {
+            r["round"]: 1e6 * r["cpu_s"] / r["tokens"]
+            for r in result["runs"]
+            if r["variant"] == name and r["concurrency"] == concurrency
+        }
+
     for concurrency in CONCURRENCIES:
         for ours, theirs in (("ours", "vllm"), ("ours, stop strings", "vllm, stop strings")):
+            # Paired within each round (the two ran within seconds of each other), so
+            # that the machine's own drift cancels; the median over the rounds.
+            mine, theirs_ = per_round(ours, concurrency), per_round(theirs, concurrency)
+            paired = [mine[r] / theirs_[r] for r in sorted(mine) if r in theirs_]
             ratios.append(
                 {
                     "concurrency": concurrency,
                     "ours": ours,
                     "vllm": theirs,
-                    "ratio": row(ours, concurrency)["cpu_us_per_token"]
+                    "ratio": statistics.median(paired) if paired else math.nan,
+                    "ratio_min": min(paired, default=math.nan),
+                    "ratio_max": max(paired, default=math.nan),
+                    "ratio_of_medians": row(ours, concurrency)["cpu_us_per_token"]
                     / row(theirs, concurrency)["cpu_us_per_token"],
                 }
             )
@@ -980,25 +1068,34 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "stop_strings_us": stop["cpu_us_per_token"] - plain["cpu_us_per_token"],
         }
         if replay_ks:
-            # The replay at the tokens per output that ours with stop strings got.
-            got = stop["tokens_per_output"]
-            k = min(replay_ks, key=lambda candidate: abs(math.log(candidate / got)))
-            detok = replayed("text layer", k) - replayed("text layer, tokens only", k)
-            stops = replayed("text layer, stop strings", k) - replayed("text layer", k)
-            total = stop["cpu_us_per_token"]
-            share.update(
-                {
-                    "replay_tokens_per_output": k,
-                    "replay_detokenization_us": detok,
-                    "replay_stop_strings_us": stops,
-                    "replay_decode_stream_us": replayed("DecodeStream.step, one id a call", k),
-                    "replay_text_layer_us": replayed("text layer, stop strings", k),
-                    "detokenization_share": detok / total,
-                    "stop_strings_share": stops / total,
-                    "decode_stream_share": replayed("DecodeStream.step, one id a call", k) / total,
-                    "text_layer_share": replayed("text layer, stop strings", k) / total,
+            # Per round: the replay at the tokens per output that ours with stop strings
+            # got in that round, against that round's end-to-end figure; the medians.
+            per: dict[str, list[float]] = {}
+            for r in result["runs"]:
+                if r["variant"] != "ours, stop strings" or r["concurrency"] != concurrency:
+                    continue
+                got = r["tokens"] / r["outputs"]
+                k = min(replay_ks, key=lambda candidate: abs(math.log(candidate / got)))
+                total = 1e6 * r["cpu_s"] / r["tokens"]
+                figures = {
+                    "tokens_per_output": k,
+                    "text_layer_us": replayed("text layer, stop strings", k, r["round"]),
+                    "detokenization_us": replayed("text layer", k, r["round"])
+                    - replayed("text layer, tokens only", k, r["round"]),
+                    "decode_stream_us": replayed("DecodeStream.step, one id a call", k, r["round"]),
+                    "stop_strings_us": replayed("text layer, stop strings", k, r["round"])
+                    - replayed("text layer", k, r["round"]),
                 }
-            )
+                figures.update(
+                    {
+                        name.replace("_us", "_share"): value / total
+                        for name, value in figures.items()
+                        if name.endswith("_us")
+                    }
+                )
+                for name, value in figures.items():
+                    per.setdefault(name, []).append(value)
+            share.update({f"replay_{name}": statistics.median(v) for name, v in per.items()})
         shares.append(share)
     worst = max(r["ratio"] for r in ratios)
     return {
@@ -1082,7 +1179,19 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{machine['tokenizers']}, vLLM {machine['vllm']['version']}. Load average "
         f"(1, 5, 15 min): {', '.join(map(str, machine['load_before']))} before the run, "
         f"{', '.join(map(str, machine['load_after']))} after it; the run took "
-        f"{machine['run_seconds']} s. Reproduce: `nox -s bench_text`"
+        f"{machine['run_seconds']} s. The machine's own speed (a fixed piece of Python "
+        f"timed each round) varied from {min(result['speed_probe_us']):.0f} to "
+        f"{max(result['speed_probe_us']):.0f} µs between rounds. Reproduce: "
+        "`nox -s bench_text`"
+        + (
+            f" at commit {machine['code']['commit']}"
+            + (
+                " with uncommitted changes to "
+                + ", ".join(f"`{f}`" for f in machine["code"]["package_changes"])
+                if machine["code"]["package_changes"]
+                else ""
+            )
+        )
         + (" (this was a `--quick` run: the figures mean nothing)." if result["quick"] else "."),
         "",
         f"Engine: {work['engine']}, one per frontend: ours attached to a vLLM engine "
@@ -1105,28 +1214,42 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{goal['text']}: worst ratio {goal['worst_ratio']:.2f} "
         f"(goal ≤ {goal['threshold']}): **{'met' if goal['met'] else 'not met'}**.",
         "",
-        "| C | ours ÷ vLLM, no stop strings | ours ÷ vLLM, 2 stop strings |",
-        "|---:|---:|---:|",
+        "Ours ÷ vLLM, CPU per output token: the median over the rounds of the ratio "
+        "within each round (the two ran seconds apart), the rounds' lowest and highest "
+        "in brackets, and the ratio of the medians of the figures below.",
+        "",
+        "| C | no stop strings | 2 stop strings | ratio of medians, no stop / stop |",
+        "|---:|---:|---:|---:|",
     ]
     for concurrency in CONCURRENCIES:
         pair = [r for r in summary["ratios"] if r["concurrency"] == concurrency]
         lines.append(
-            f"| {concurrency} | " + " | ".join(_fmt(r["ratio"], ".2f") for r in pair) + " |"
+            f"| {concurrency} | "
+            + " | ".join(
+                f"{_fmt(r['ratio'], '.2f')} ({_fmt(r['ratio_min'], '.2f')}-"
+                f"{_fmt(r['ratio_max'], '.2f')})"
+                for r in pair
+            )
+            + " | "
+            + " / ".join(_fmt(r["ratio_of_medians"], ".2f") for r in pair)
+            + " |"
         )
     lines += [
         "",
         "## Figures",
         "",
         "| C | variant | CPU µs/token | spread | tokens/s | frontend load | engine load "
-        "| tokens/output | chars/token |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens/output | chars/token | collections, gen 0/1/2 | in the collector |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in summary["medians"]:
         lines.append(
             f"| {r['concurrency']} | {r['variant']} | {r['cpu_us_per_token']:.2f} | "
             f"{r['spread']:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{r['frontend_cpu_load']:.2f} | {r['engine_cpu_load']:.2f} | "
-            f"{r['tokens_per_output']:.1f} | {r['chars_per_token']:.2f} |"
+            f"{r['tokens_per_output']:.1f} | {r['chars_per_token']:.2f} | "
+            + "/".join(f"{c:.0f}" for c in r["gc_collections"])
+            + f" | {_pct(r['gc_share'])} |"
         )
     idle = max(r["idle_side_cpu_load"] for r in summary["medians"])
     foreign = max(r["foreign_cpu_load"] for r in summary["medians"])
@@ -1136,7 +1259,10 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
         "`tokens/output`: output tokens per `RequestOutput` a reader got. Both frontends "
         "merge the delta outputs of a reader that fell behind, so a frontend that is "
         "cheaper per output gets more, smaller outputs: CPU per token depends on the "
-        "reader's pace as well as on the work per token. The side not being measured "
+        "reader's pace as well as on the work per token. `in the collector`: the share "
+        "of that CPU spent in the garbage collector (timed with `gc.callbacks`; both "
+        "frontends froze their startup heap and keep CPython's thresholds). The side not "
+        "being measured "
         f"used at most {idle:.2f} of a core meanwhile (its idle loops and heartbeats); "
         f"programs outside the benchmark at most {foreign:.2f} of a core during a kept "
         f"measurement ({retried} measurement(s) taken again because others used more "
@@ -1161,10 +1287,10 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
         cases = list(dict.fromkeys(r["case"] for r in replay))
         lines += [
             "",
-            "The text layer alone (a replay: the counter model's token sequences fed to "
-            "`TextRequestState.process` without client, engine or event loop, k tokens "
-            "an engine output; and `DecodeStream.step` alone on the same ids), CPU µs "
-            "per output token:",
+            "The text layer alone (a replay, each round: the counter model's token "
+            "sequences fed to `TextRequestState.process` without client, engine or event "
+            "loop, k tokens an engine output; and `DecodeStream.step` alone on the same "
+            "ids), CPU µs per output token, medians over the rounds:",
             "",
             "| case | " + " | ".join(f"k = {k}" for k in ks) + " |",
             "|---|" + "---:|" * len(ks),
@@ -1172,13 +1298,18 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
         for case in cases:
             cells = []
             for k in ks:
-                found = [r for r in replay if r["case"] == case and r["tokens_per_output"] == k]
-                cells.append(_fmt(found[0]["cpu_us_per_token"] if found else None, ".2f"))
+                found = [
+                    r["cpu_us_per_token"]
+                    for r in replay
+                    if r["case"] == case and r["tokens_per_output"] == k
+                ]
+                cells.append(_fmt(statistics.median(found) if found else None, ".2f"))
             lines.append(f"| {case} | " + " | ".join(cells) + " |")
         lines += [
             "",
-            "Shares of ours with stop strings, end to end, from the replay at the tokens "
-            "per output that run got:",
+            "Shares of ours with stop strings, end to end: in each round, the replay at "
+            "the tokens per output (k) that round's run got, over that run's CPU per "
+            "token; medians over the rounds:",
             "",
             "| C | k | text layer, all of it | text (detokenizer) | of which "
             "`DecodeStream.step` | 2 stop strings |",
@@ -1186,14 +1317,12 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
         ]
         for share in summary["shares"]:
             lines.append(
-                f"| {share['concurrency']} | {share['replay_tokens_per_output']} | "
-                f"{share['replay_text_layer_us']:.2f} µs, {_pct(share['text_layer_share'])} | "
-                f"{share['replay_detokenization_us']:.2f} µs, "
-                f"{_pct(share['detokenization_share'])} | "
-                f"{share['replay_decode_stream_us']:.2f} µs, "
-                f"{_pct(share['decode_stream_share'])} | "
-                f"{share['replay_stop_strings_us']:.2f} µs, "
-                f"{_pct(share['stop_strings_share'])} |"
+                f"| {share['concurrency']} | {share['replay_tokens_per_output']:g} | "
+                + " | ".join(
+                    f"{share[f'replay_{part}_us']:.2f} µs, {_pct(share[f'replay_{part}_share'])}"
+                    for part in ("text_layer", "detokenization", "decode_stream", "stop_strings")
+                )
+                + " |"
             )
     profile = result.get("profile")
     if profile:
@@ -1276,7 +1405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--vllm-python", default=None, metavar="PATH")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds (3; quick: 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (5; quick: 1)")
     parser.add_argument("--quick", action="store_true", help="one small round: a smoke test")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
@@ -1288,7 +1417,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_python = find_vllm_python(args.vllm_python)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     print(
         f"load average before the run: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
         file=sys.stderr,

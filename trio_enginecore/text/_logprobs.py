@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, final
 
-import attrs
+import msgspec
 
 from ..protocol import LogprobsLists, LogprobsTensors
 
@@ -28,8 +28,7 @@ _REPLACEMENT: Final = "\ufffd"
 _CONTEXT: Final = 4  # enough preceding tokens for any UTF-8 character
 
 
-@attrs.define(slots=True, eq=True)
-class Logprob:
+class Logprob(msgspec.Struct, gc=False):
     """The logprob of one token at one position.
 
     Attributes:

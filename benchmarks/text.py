@@ -133,20 +133,20 @@ def tokenize_texts(tokenizer: Any) -> dict[int, str]:
     corpus repeated, cut at a word."""
     from tests.text.tokenizers_for_tests import TRICKY_CORPUS
 
-    corpus = " ".join(TRICKY_CORPUS)
+    corpus = " ".join(TRICKY_CORPUS).split(" ")
     texts: dict[int, str] = {}
     for length in TOKENIZE_LENGTHS:
-        words = (corpus + " ") * (length // 20 + 1)
-        words_list = words.split(" ")
-        low, high = 1, len(words_list)
+        # Enough repeats of the corpus (about 300 tokens) for the length.
+        words = corpus * (length // 250 + 1)
+        low, high = 1, len(words)
         # The longest prefix of whole words within the length.
         while low < high:
             middle = (low + high + 1) // 2
-            if len(tokenizer.encode(" ".join(words_list[:middle]))) <= length:
+            if len(tokenizer.encode(" ".join(words[:middle]))) <= length:
                 low = middle
             else:
                 high = middle - 1
-        texts[length] = " ".join(words_list[:low])
+        texts[length] = " ".join(words[:low])
     return texts
 
 
@@ -190,8 +190,7 @@ async def _measure_ours(
         stop=list(stop) or None,
         detokenize=detokenize,
     )
-    counts = {"started": 0, "tokens": 0, "chars": 0, "outputs": 0, "stopped": 0}
-    counts["prompt_tokens"] = 0
+    counts = dict.fromkeys(("started", "tokens", "chars", "outputs", "stopped", "prompt_tokens"), 0)
 
     async def slot() -> None:
         while counts["started"] < requests:
@@ -372,9 +371,9 @@ def _replay(tokenizer: Any, prompt_texts: list[str], requests: int) -> list[dict
             )
         for batched in (False, True):
             cpu0 = time.process_time()
+            backend = tokenizer.backend
             for i, request in enumerate(outputs):
                 stream = DecodeStream(ids=prompt_ids[i % len(prompt_ids)], skip_special_tokens=True)
-                backend = tokenizer.backend
                 for output in request:
                     if batched:
                         stream.step(backend, output.new_token_ids)
@@ -402,16 +401,19 @@ def msgspec_copy(output: Any) -> Any:
 
 
 _PROFILE_GROUPS: Final = (
-    # (group, test on (file, function name)); the first that matches wins.
+    # (group, test on (file, function name)); the first that matches wins. Trio's
+    # outcome objects are attrs classes too: Trio's rule comes before the outputs'.
     ("DecodeStream.step (tokenizers, Rust)", lambda f, n: "DecodeStream" in n and "step" in n),
     ("stop strings: find_stop_string, str.find", lambda f, n: n == "find_stop_string"),
     ("stop strings: find_stop_string, str.find", lambda f, n: "method 'find' of 'str'" in n),
     ("detokenizer (_detokenizer.py, Python)", lambda f, n: f.endswith("text/_detokenizer.py")),
-    ("outputs: RequestOutput, CompletionOutput", lambda f, n: "attrs generated" in f),
-    ("text layer: _processor.py, _llm.py", lambda f, n: "trio_enginecore/text/" in f),
+    ("Trio: scheduler, epoll, wake-ups", lambda f, n: "/trio/" in f or "outcome" in f),
+    ("Trio: scheduler, epoll, wake-ups", lambda f, n: "epoll" in n or "Context" in n),
+    ("prompt tokenization", lambda f, n: "encode" in n and "tokenizers" in n),
+    ("text layer: _processor.py, _llm.py, _outputs.py", lambda f, n: "enginecore/text/" in f),
+    ("text layer: _processor.py, _llm.py, _outputs.py", lambda f, n: "text._outputs" in f),
     ("client: receive, decode, route, streams", lambda f, n: "trio_enginecore/" in f),
     ("client: receive, decode, route, streams", lambda f, n: "msgspec" in n or "zmq" in f),
-    ("Trio: scheduler, epoll, checkpoints", lambda f, n: "/trio/" in f or "outcome" in f),
     ("the benchmark's loop", lambda f, n: f.endswith("benchmarks/text.py")),
 )
 
@@ -424,7 +426,10 @@ def _profile_breakdown(stats: Any) -> dict[str, Any]:
     functions: list[tuple[float, str, int]] = []
     cumulative: dict[str, float] = {}
     for (file, line, name), (_, calls, own, cum, _) in entries.items():
-        group = next((g for g, test in _PROFILE_GROUPS if test(file, name)), "other")
+        group = next(
+            (g for g, test in _PROFILE_GROUPS if test(file, name)),
+            "other: builtins every layer calls (len, dict.get, list.append, ...)",
+        )
         groups[group] = groups.get(group, 0.0) + own
         where = f"{Path(file).name}:{line} {name}" if line else name
         functions.append((own, where, calls))
@@ -443,6 +448,12 @@ def _profile_breakdown(stats: Any) -> dict[str, Any]:
         "top": [
             {"function": where, "calls": calls, "share": own / total}
             for own, where, calls in functions[:15]
+        ],
+        # Every function of at least 0.1 %, to group them otherwise later.
+        "functions": [
+            {"function": where, "calls": calls, "share": own / total}
+            for own, where, calls in functions
+            if own >= total / 1000
         ],
     }
 
@@ -587,14 +598,16 @@ class Process:
         return "\n  its log ends:\n" + "\n".join(lines) if lines else ""
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM (a worker stops its engine), then SIGKILL to its process group."""
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                assert self.process.stdin is not None
-                self.process.stdin.close()
-            self.process.terminate()
+        """Its stdin closed (a worker then ends on its own, its engine with it), then
+        SIGTERM, then SIGKILL to its whole process group (vLLM's engine processes)."""
+        with contextlib.suppress(OSError):
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+        for ask in (None, self.process.terminate):
+            if ask is not None and self.process.poll() is None:
+                ask()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout_s)
+                self.process.wait(timeout_s / 2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, 9)
         self.process.wait()

@@ -15,7 +15,7 @@ spec's ``role``:
   own sockets at ``input_address`` (ROUTER) and ``output_address`` (PULL), exactly as
   vLLM's ``AsyncLLM`` starts its own (the ``attach`` way of the interop tests). Prints
   ``@{"event": "started", "pids": [...]}`` once the engine is ready, then watches it
-  until SIGTERM (or its parent's exit).
+  until its stdin closes, SIGTERM or its parent's exit.
 * ``frontend``: vLLM's ``AsyncLLM``, as shipped, which launches its own engine core
   child with the same settings. Prints ``@{"event": "ready", ...}`` after a warm-up
   and after freezing its startup heap (as vLLM's API server does), then reads one
@@ -49,6 +49,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -122,6 +123,13 @@ def run_engine(spec: dict[str, Any]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+
+    def stop_at_end_of_input() -> None:
+        # The orchestrator closes our stdin when it is done: stop then, as on SIGTERM.
+        sys.stdin.read()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_at_end_of_input, name="stdin-watch", daemon=True).start()
     addresses = EngineZmqAddresses(inputs=[spec["input_address"]], outputs=[spec["output_address"]])
     manager = None
     try:
@@ -166,8 +174,7 @@ async def measure(
         output_kind=RequestOutputKind.DELTA,
         stop=list(stop) or None,
     )
-    counts = {"started": 0, "tokens": 0, "chars": 0, "outputs": 0, "stopped": 0}
-    counts["prompt_tokens"] = 0
+    counts = dict.fromkeys(("started", "tokens", "chars", "outputs", "stopped", "prompt_tokens"), 0)
     run_id = time.monotonic_ns()
 
     async def slot() -> None:

@@ -214,3 +214,18 @@ def test_the_readmes_text_example_prints_what_the_readme_says(tmp_path: Path) ->
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.rstrip("\n") == claimed.group(1)
+
+
+async def test_text_over_a_data_parallel_group_pins_ranks_and_balances() -> None:
+    config = EngineConfig(model="ngram", data_parallel_size=2, step_time_s=0.002)
+    async with open_llm(config) as llm:
+        pinned = [
+            await llm.complete("The river", max_tokens=30, seed=6, data_parallel_rank=rank)
+            for rank in (0, 1)
+        ]
+        # The same seed on either rank: the same text (the ranks run the same model).
+        assert pinned[0].outputs[0].text == pinned[1].outputs[0].text
+        spread = await llm.complete("Tea is", max_tokens=20, n=4, seed=1)
+        assert sorted(c.index for c in spread.outputs) == [0, 1, 2, 3]
+        stats = llm.client.statistics()
+        assert [engine.in_flight for engine in stats.engines] == [0, 0]

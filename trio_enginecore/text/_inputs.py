@@ -18,13 +18,26 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import InvalidInputError
-from ..protocol import EngineCoreRequest, LoRARequest, SamplingKeywords, SamplingParams
+from ..protocol import (
+    EngineCoreRequest,
+    LoRARequest,
+    RequestOutputKind,
+    SamplingKeywords,
+    SamplingParams,
+)
 from ._processor import TextRequestState, child_request_id, child_sampling_params
 
 if TYPE_CHECKING:
     from ._tokenizer import Tokenizer
 
-__all__ = ["PromptInput", "TextPrompt", "TokensPrompt", "prepare_request", "sampling_params_from"]
+__all__ = [
+    "PromptInput",
+    "TextPrompt",
+    "TokensPrompt",
+    "final_only",
+    "prepare_request",
+    "sampling_params_from",
+]
 
 
 class TextPrompt(TypedDict):
@@ -87,6 +100,11 @@ def sampling_params_from(
     except (TypeError, ValueError) as exc:
         raise _as_invalid(exc) from None
     return params
+
+
+def final_only(params: SamplingParams) -> SamplingParams:
+    """A copy of ``params`` asking for one output at the end (``complete()``)."""
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _suggest(name: str) -> str:

@@ -23,7 +23,7 @@ from ..client import AsyncEngineCoreClient, RequestStream, open_engine_client
 from ..config import EngineConfig
 from ..errors import EngineCoreError, InvalidInputError
 from ..protocol import LoRARequest, RequestOutputKind, SamplingKeywords, SamplingParams
-from ._inputs import PromptInput, prepare_request, sampling_params_from
+from ._inputs import PromptInput, final_only, prepare_request, sampling_params_from
 from ._model_dir import builtin_tokenizer, load_tokenizer
 from ._outputs import RequestOutput
 from ._tokenizer import Tokenizer
@@ -152,7 +152,7 @@ class AsyncLLM:
             InvalidInputError, EngineDeadError, RequestFailedError: as :meth:`generate`.
         """
         params = sampling_params_from(sampling_params, sampling)
-        params = _with_kind(params, RequestOutputKind.FINAL_ONLY)
+        params = final_only(params)
         last: RequestOutput | None = None
         async with self.generate(
             prompt,
@@ -167,12 +167,6 @@ class AsyncLLM:
                 last = output
         assert last is not None, "a finished request always has a final output"
         return last
-
-
-def _with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(params, output_kind=kind)
 
 
 @final
@@ -226,6 +220,7 @@ class _GenerationBlock(AbstractAsyncContextManager[GenerationStream]):
         self._requests = requests
         self._blocks: dict[str, AbstractAsyncContextManager[RequestStream]] = {}
         self._streams: dict[str, RequestStream] = {}
+        self._single: tuple[str, RequestStream] | None = None
         self._entered = False
         self._done = False
         # n > 1: the tasks' nursery and the slot they merge outputs into.
@@ -248,7 +243,10 @@ class _GenerationBlock(AbstractAsyncContextManager[GenerationStream]):
         except BaseException:
             await self._leave_all()
             raise
-        if len(requests) > 1:
+        if len(requests) == 1:
+            ((engine_id, stream),) = self._streams.items()
+            self._single = (engine_id, stream)
+        else:
             manager = trio.open_nursery()
             nursery = await manager.__aenter__()
             self._exits = (manager, nursery)
@@ -298,7 +296,8 @@ class _GenerationBlock(AbstractAsyncContextManager[GenerationStream]):
             if self._done or state.finished:
                 await trio.lowlevel.checkpoint()
                 raise StopAsyncIteration
-            ((engine_id, stream),) = self._streams.items()
+            assert self._single is not None
+            engine_id, stream = self._single
             # The stream's receive is the one checkpoint, and is atomic; nothing after
             # it can be interrupted.
             try:

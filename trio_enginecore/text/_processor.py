@@ -282,14 +282,12 @@ class TextRequestState:
             stop_reason if finished else None,
         )
         outputs: list[CompletionOutput]
+        if finished:
+            self._unfinished.discard(sequence.engine_request_id)
         if self.n == 1:
-            if finished:
-                self._unfinished.discard(sequence.engine_request_id)
             outputs = [completion]
             request_finished = finished
         else:
-            if finished:
-                self._unfinished.discard(sequence.engine_request_id)
             if kind is RequestOutputKind.FINAL_ONLY:
                 self._final_outputs[sequence.index] = completion
                 if self._unfinished:

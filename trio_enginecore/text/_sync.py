@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Self, Unpack, final
 from ..client import SyncMPClient, SyncRequestStream
 from ..config import EngineConfig
 from ..errors import InvalidInputError
-from ..protocol import LoRARequest, RequestOutputKind, SamplingKeywords, SamplingParams
-from ._inputs import PromptInput, prepare_request, sampling_params_from
+from ..protocol import LoRARequest, SamplingKeywords, SamplingParams
+from ._inputs import PromptInput, final_only, prepare_request, sampling_params_from
 from ._model_dir import builtin_tokenizer, load_tokenizer
 from ._outputs import RequestOutput
 from ._tokenizer import Tokenizer
@@ -140,10 +140,7 @@ class SyncLLM:
         **sampling: Unpack[SamplingKeywords],
     ) -> RequestOutput:
         """Generate and return the final output (every sequence, whole)."""
-        import msgspec
-
-        params = sampling_params_from(sampling_params, sampling)
-        params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = final_only(sampling_params_from(sampling_params, sampling))
         last: RequestOutput | None = None
         with self.generate(
             prompt,

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -59,12 +60,26 @@ def docs(session: nox.Session) -> None:
 
     Writes docs/_build/html. The tutorials' programs are run by the tests session. A
     page showing a default as attrs' generated code (``attr_dict['model'].default``)
-    instead of its value fails the build too: Sphinx does not warn about that.
+    instead of its value fails the build too: Sphinx does not warn about that; so does a
+    configuration dumped into the build's output. The output shows once the build ends.
     """
     session.install("-e", ".", *_group("docs"))
-    session.run(
-        "sphinx-build", "-E", "-W", "--keep-going", "-n", "-b", "html", "docs", "docs/_build/html"
+    output = session.run(
+        "sphinx-build",
+        "-E",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-b",
+        "html",
+        "docs",
+        "docs/_build/html",
+        silent=True,
     )
+    sys.stdout.write(output or "")
+    # A configuration printed whole (MyST's MdParserConfig(...) was): docs/conf.py drops it.
+    if re.search(r"\b\w*Config\(\w+=", output or ""):
+        session.error("the docs build printed a configuration dump (see above)")
     unrendered = [
         str(page)
         for page in Path("docs/_build/html").rglob("*.html")
@@ -193,6 +208,11 @@ _VLLM_033_DEPS = [
     "llguidance>=1.7,<1.8",
     "apache-tvm-ffi==0.1.11",
     "einops",
+    # vLLM's command-line interface (`vllm serve --headless`, which the client launches
+    # for VllmEngines) imports its HTTP server's modules even headless.
+    "uvicorn",
+    "watchfiles",
+    "orjson",
 ]
 # What vLLM 0.34.0 raised of what these environments install (filelock comes with torch).
 _VLLM_034_RAISED = [

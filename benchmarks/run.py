@@ -22,8 +22,8 @@ clients. Clients alternate (A B C D, A B C D, ...) and every figure is the media
 ``--repeats`` runs. The report gives ratios of the Trio figures to the baselines
 measured in the same run: machines differ, ratios travel.
 
-Writes ``results.json`` (every run, the medians and the goals of issue 17 with their
-ratios), ``results.md`` (the goals table, then the tables) and ``results.png`` (client
+Writes ``results.json`` (every run, the medians and the project's performance goals with
+their ratios), ``results.md`` (the goals table, then the tables) and ``results.png`` (client
 CPU per token against concurrency) into ``--out``: by default ``benchmarks/results/``
 for a full run, and a new temporary directory for ``--quick``
 (whose figures mean nothing, so it never replaces the committed ones). It says where on
@@ -69,7 +69,7 @@ GOAL_STEP_S = 0.0
 TUNED_GC_THRESHOLD = (20_000, 10, 10)
 """The collector thresholds of the tuned-GC series (CPython's default: 700, 10, 10)."""
 TUNED_GC_CLIENTS = ["trio-batch", "trio-stream", VLLM, "asyncio-stream"]
-"""The engine step time of the goals' generate figures (as issue 17 measured them)."""
+"""The engine step time of the goals' generate figures (as the goals were set)."""
 
 
 # ------------------------------------------------------------- vLLM's client
@@ -472,12 +472,12 @@ def _generate_cpu(rows: list[dict[str, Any]], client: str, concurrency: int) -> 
 
 
 def goals(rows: list[dict[str, Any]], machine: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 17's goals, each with what this run measured for it.
+    """The performance goals, each with what this run measured for it.
 
     Every goal has ``figure``, ``goal`` (its text), ``measured`` (one item per figure
     it covers: ``label``, ``value``, ``detail``), ``value`` (the worst of them),
     ``met`` (None when something was not measured) and ``note`` (why not). The
-    generate figures are the engine-step-0 ones (``GOAL_STEP_S``), as in the issue.
+    generate figures are the engine-step-0 ones (``GOAL_STEP_S``), as the goals were set.
     """
     vllm_missing = None if (machine.get("vllm") or {}).get("measured") else "no vLLM client"
 
@@ -634,7 +634,7 @@ def _goal(
 
 def goals_table(goal_rows: list[dict[str, Any]], machine: dict[str, Any]) -> list[str]:
     out = [
-        "## Goals (issue 17)",
+        "## Goals",
         "",
         f"Ratios from this run; generate figures at engine step {GOAL_STEP_S * 1e3:g} ms, "
         "T = 64. `met` takes the worst figure of a row.",

@@ -7,6 +7,7 @@ Build with ``nox -s docs`` (warnings are errors, broken references fail), or by 
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import sys
 import types
@@ -254,6 +255,24 @@ def _resolve_name(qualified_name: str) -> object:
             obj = getattr(obj, part)
         return obj
     raise ImportError(qualified_name)
+
+
+class _NoConfigurationDump(logging.Filter):
+    """Drop the line of MyST's whole configuration (``myst v5.2.0: MdParserConfig(...)``).
+
+    myst-parser logs its configuration, every field, at the start of every build: a
+    2,000-character line that says nothing about the build. ``nox -s docs`` fails if
+    such a dump shows again.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(type(arg).__name__ == "MdParserConfig" for arg in args)
+
+
+# Sphinx's loggers are the standard library's, under "sphinx."; a filter on the one that
+# logs the line drops it before any of Sphinx's handlers sees it.
+logging.getLogger("sphinx.myst_parser.sphinx_ext.main").addFilter(_NoConfigurationDump())
 
 
 def setup(app: Sphinx) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final
@@ -134,10 +134,14 @@ class HostileEngine:
         *,
         rank: int = 0,
         vllm_version: str | None = None,
+        ready_keys: Collection[str] | None = None,
     ) -> None:
         self.rank = rank
         self.vllm_version = vllm_version
         """The version its ready message names (the reference engine's by default)."""
+        self.ready_keys = ready_keys
+        """The keys its ready message has, of the reference engine's (every one by
+        default): the shape of one release's ready message, or of none."""
         self.dealer: TrioSocket = make_socket(ctx, zmq.DEALER, identity=rank.to_bytes(2, "little"))
         self.push: TrioSocket = make_socket(ctx, zmq.PUSH)
         self.dealer.connect(input_address)
@@ -168,7 +172,11 @@ class HostileEngine:
         ready = EngineCore(config).ready_response()
         if self.vllm_version is not None:
             ready = msgspec.structs.replace(ready, vllm_version=self.vllm_version)
-        await self.dealer.send_multipart(self.encoder.encode(ready))
+        message: object = ready
+        if self.ready_keys is not None:
+            keys = self.ready_keys
+            message = {k: v for k, v in msgspec.structs.asdict(ready).items() if k in keys}
+        await self.dealer.send_multipart(self.encoder.encode(message))
 
     # ---------------------------------------------------- what the client sends
 
@@ -241,7 +249,10 @@ class HostileEngine:
 
 @asynccontextmanager
 async def attached_to_hostile_engine(
-    *, max_pending_outputs: int = 64, vllm_version: str | None = None
+    *,
+    max_pending_outputs: int = 64,
+    vllm_version: str | None = None,
+    ready_keys: Collection[str] | None = None,
 ) -> AsyncGenerator[tuple[HostileEngine, TrioMPClient], None]:
     """A real client attached (ipc:// in a temp dir) to a :class:`HostileEngine`.
 
@@ -253,7 +264,9 @@ async def attached_to_hostile_engine(
     tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
     input_address, output_address = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
     ctx: zmq.Context[Any] = zmq.Context()
-    engine = HostileEngine(ctx, input_address, output_address, vllm_version=vllm_version)
+    engine = HostileEngine(
+        ctx, input_address, output_address, vllm_version=vllm_version, ready_keys=ready_keys
+    )
     try:
         # Queued on the DEALER until the client binds its ROUTER.
         await engine.send_ready()
@@ -317,8 +330,16 @@ class ServingEngine(HostileEngine):
         rank: int = 0,
         answers: Mapping[str, Any] | None = None,
         vllm_version: str | None = None,
+        ready_keys: Collection[str] | None = None,
     ) -> None:
-        super().__init__(ctx, input_address, output_address, rank=rank, vllm_version=vllm_version)
+        super().__init__(
+            ctx,
+            input_address,
+            output_address,
+            rank=rank,
+            vllm_version=vllm_version,
+            ready_keys=ready_keys,
+        )
         self.answers: dict[str, Any] = {"is_sleeping": False} if answers is None else dict(answers)
         self.answered: dict[str, int] = {}
         """How many calls of each method in ``answers`` were answered."""
@@ -429,6 +450,7 @@ async def attached_to_serving_engines(
     liveness: Liveness | None = None,
     max_pending_outputs: int = 64,
     vllm_versions: Sequence[str | None] | None = None,
+    ready_keys: Sequence[Collection[str] | None] | None = None,
 ) -> AsyncGenerator[AttachedPeers, None]:
     """A real client (``EngineConfig(data_parallel_size=size)``) attached over ipc://
     in a temp dir to ``size`` :class:`ServingEngine` peers (ranks 0 to size - 1), each
@@ -448,9 +470,12 @@ async def attached_to_serving_engines(
     error: BaseException | None = None
     try:
         versions = [None] * size if vllm_versions is None else list(vllm_versions)
+        shapes = [None] * size if ready_keys is None else list(ready_keys)
         engines += [
-            ServingEngine(ctx, input_address, output_address, rank=rank, vllm_version=version)
-            for rank, version in enumerate(versions)
+            ServingEngine(
+                ctx, input_address, output_address, rank=rank, vllm_version=version, ready_keys=keys
+            )
+            for rank, (version, keys) in enumerate(zip(versions, shapes, strict=True))
         ]
         scripted = ScriptedCoordinator(ctx, tmp) if coordinator else None
         async with trio.open_nursery() as nursery:

@@ -39,6 +39,9 @@ def test_defaults_describe_a_working_counter_engine() -> None:
         {"log_stats": True, "enable_fault_injection": True},
         {"vllm_version": "0.33.0"},
         {"vllm_version": "0.34.0"},
+        {"vllm_version": "dev"},
+        {"vllm_version": "my-engine 1.0", "wire_release": "0.33"},
+        {"vllm_version": "0.34.0", "wire_release": "0.34"},
     ],
 )
 def test_valid_values_are_accepted(changes: dict[str, Any]) -> None:
@@ -71,11 +74,17 @@ BAD_VALUES = [
     ("data_parallel_rank", -1),
     ("model", "gpt"),
     ("model", ""),
-    # The reference engine presents itself as a release it speaks, no other.
+    # The reference engine presents itself as a release it speaks, or as a version
+    # that names none ("dev"), no other.
     ("vllm_version", "0.32.0"),
     ("vllm_version", "0.35.0"),
-    ("vllm_version", "latest"),
+    ("vllm_version", "0.35.0.dev12+g1234"),
+    ("vllm_version", ""),
+    ("vllm_version", " "),
     ("vllm_version", 0.34),
+    ("wire_release", "0.35"),
+    ("wire_release", "dev"),
+    ("wire_release", 0.33),
 ]
 
 
@@ -84,6 +93,27 @@ def test_bad_values_raise_value_error_naming_the_field(field: str, value: Any) -
     with pytest.raises(ValueError, match=rf"\bEngineConfig\.{field}\b") as info:
         EngineConfig(**{field: value})
     assert repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "speaks"),
+    [
+        ({}, "0.34"),
+        ({"vllm_version": "0.33.0"}, "0.33"),
+        ({"vllm_version": "dev"}, "0.34"),  # the newest, as a source tree is
+        ({"vllm_version": "dev", "wire_release": "0.33"}, "0.33"),
+        ({"vllm_version": "dev", "wire_release": "0.34.0"}, "0.34"),
+    ],
+)
+def test_the_engine_speaks_the_release_its_version_names_else_wire_release(
+    changes: dict[str, Any], speaks: str
+) -> None:
+    assert EngineConfig(**changes).dialect.name == f"vLLM {speaks}"
+
+
+def test_a_wire_release_other_than_the_version_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"wire_release \(0\.33\) contradicts vllm_version"):
+        EngineConfig(vllm_version="0.34.0", wire_release="0.33")
 
 
 def test_an_unknown_model_lists_the_valid_ones() -> None:

@@ -16,7 +16,7 @@ from trio_enginecore.dialects import (
     VLLM_0_33,
     VLLM_0_34,
     choose_dialect,
-    choose_group_dialect,
+    choose_group_dialects,
     parse_release,
 )
 from trio_enginecore.errors import ProtocolError
@@ -90,20 +90,26 @@ def test_an_older_release_is_refused_naming_the_supported_ones(version: str) -> 
 
 
 def test_a_group_of_one_release_speaks_it() -> None:
-    choice = choose_group_dialect([("engine rank 0", "0.34.0"), ("engine rank 1", "0.34.1")])
-    assert choice.dialect is VLLM_0_34
+    choices = choose_group_dialects(
+        [("engine rank 0", "0.34.0", None), ("engine rank 1", "0.34.1", None)]
+    )
+    assert [choice.dialect for choice in choices] == [VLLM_0_34, VLLM_0_34]
 
 
 def test_a_group_mixing_releases_is_refused_naming_each_engine() -> None:
     with pytest.raises(ValueError, match="different vLLM releases") as caught:
-        choose_group_dialect([("engine rank 0", "0.33.0"), ("engine rank 1", "0.34.0")])
+        choose_group_dialects(
+            [("engine rank 0", "0.33.0", None), ("engine rank 1", "0.34.0", None)]
+        )
     assert "engine rank 0 runs vLLM 0.33.0" in str(caught.value)
     assert "engine rank 1 runs vLLM 0.34.0" in str(caught.value)
 
 
 def test_a_group_with_an_unsupported_engine_names_it() -> None:
     with pytest.raises(ValueError, match=r"engine rank 1: vLLM 0\.30\.0 is older"):
-        choose_group_dialect([("engine rank 0", "0.33.0"), ("engine rank 1", "0.30.0")])
+        choose_group_dialects(
+            [("engine rank 0", "0.33.0", None), ("engine rank 1", "0.30.0", None)]
+        )
 
 
 # --------------------------------------------------------------- utilities

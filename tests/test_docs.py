@@ -10,9 +10,11 @@ method of vLLM's clients.
 
 from __future__ import annotations
 
+import html
 import importlib
 import inspect
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -192,7 +194,12 @@ EXPECTED_OUTPUT: dict[str, list[str]] = {
     ],
 }
 
-TUTORIAL_PROGRAMS = sorted(TUTORIALS.glob("*.py"))
+NEEDS_VLLM = {"real_vllm"}
+"""Tutorials that run vLLM itself: the interop sessions run them
+(``tests/interop/test_client_launches_vllm.py``), against each vLLM release."""
+TUTORIAL_PROGRAMS = sorted(
+    program for program in TUTORIALS.glob("*.py") if program.stem not in NEEDS_VLLM
+)
 
 
 def run_tutorial(program: Path) -> subprocess.CompletedProcess[str]:
@@ -487,7 +494,7 @@ def package_sources() -> list[Path]:
 # The texts a claim may be in: the pages (the README with them), the tutorials'
 # programs, and the package's docstrings and messages.
 TEXT_SCOPES = {
-    "docs": lambda: [README, *doc_pages(), *TUTORIAL_PROGRAMS],
+    "docs": lambda: [README, ROOT / "CHANGELOG.md", *doc_pages(), *TUTORIALS.glob("*.py")],
     "package": package_sources,
 }
 
@@ -586,6 +593,7 @@ def documented_callables() -> dict[str, set[str]]:
         "Liveness": client.Liveness,
         "Restart": client.Restart,
         "RemoteEngines": client.RemoteEngines,
+        "VllmEngines": client.VllmEngines,
         "RayEngines": client.RayEngines,
     }.items():
         keywords = _keywords_of(function)
@@ -717,3 +725,224 @@ def test_tutorials_that_show_the_librarys_log_lines_configure_logging() -> None:
         and "logging.basicConfig(" not in program.read_text()
     ]
     assert not silent, f"tutorials showing log lines with no logging configured: {silent}"
+
+
+# ------------------------------------------------------- what a new user reads first
+#
+# A new user's trial of the README and the docs: the first screen, the set-up commands
+# and how long they take, what the liveness rules mean for a slow model, no link to a
+# repository that is not published, no reference to the project's internal tracker,
+# a docs column wide enough for the code, the lifecycle guide's first answers.
+
+
+def readme_first_screen() -> str:
+    """The README up to its first section."""
+    text = README.read_text()
+    return text[: text.index("\n## ")]
+
+
+def test_the_readmes_first_screen_is_a_pitch_an_example_two_commands_and_links() -> None:
+    """The example and its output are run by ``tests/text/test_llm.py``."""
+    screen = readme_first_screen()
+    assert len(screen.splitlines()) <= 45, "the first screen is longer than a screen"
+    assert screen.index("```python\n") < screen.index("```text\n"), "an example, then its output"
+    commands = [
+        line.split("#")[0].strip() for line in screen.splitlines() if line.startswith("nox")
+    ]
+    assert commands == ["nox -s demo", "nox"], "the demo, then the tests"
+    for target in ["docs/index.md", "docs/tutorials/first_steps.md", "docs/tutorials/real_vllm.md"]:
+        assert f"]({target})" in screen, f"the first screen does not link {target}"
+
+
+def test_the_readmes_first_screen_names_the_vllm_releases_it_speaks() -> None:
+    from trio_enginecore.dialects import DIALECTS
+
+    screen = readme_first_screen()
+    releases = {".".join(dialect.tested_version.split(".")[:2]) for dialect in DIALECTS}
+    missing = [release for release in sorted(releases) if f"vLLM {release}" not in screen]
+    assert not missing, f"the README's first screen does not name vLLM {missing}"
+
+
+def test_every_relative_link_of_the_readme_names_a_file_of_the_repository() -> None:
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    broken = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not broken, f"README links to files that do not exist: {broken}"
+
+
+def test_the_readme_says_how_long_the_tests_take() -> None:
+    text = README.read_text()
+    assert re.search(r"^nox .*\(\d+ minutes on \d+ cores\)", readme_first_screen(), re.M)
+    assert re.search(r"The default run takes about \d+ minutes on a \d-core machine", text)
+    assert re.search(r"`nox -s interop`[^`]*(`[^`]*`[^`]*)*about \d+ minutes per release", text)
+
+
+def test_the_readme_says_when_a_slow_engine_counts_as_hung_and_how_to_raise_it() -> None:
+    from trio_enginecore.client import Liveness
+
+    text = README.read_text()
+    default = re.search(r"`progress_timeout_s` \((\d+) s\)", text)
+    assert default is not None, "the README does not give progress_timeout_s's default"
+    assert float(default[1]) == Liveness().progress_timeout_s
+    assert re.search(r"one\s+step\s+longer\s+than\s+that", text)
+    assert "Liveness(progress_timeout_s=" in text
+
+
+def test_no_page_points_at_a_repository_that_is_not_published() -> None:
+    """The repository's address is not known yet: the pages say to install from a
+    checkout, and show no placeholder address (``github.com/OWNER/...``)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: {match[0]!r}"
+        for path in [README, ROOT / "pyproject.toml", *doc_pages()]
+        for text in [path.read_text()]
+        for match in re.finditer(r"\bOWNER\b|git\+https?://|git clone", text)
+    ]
+    assert not found, "install from a checkout instead:\n" + "\n".join(found)
+
+
+INTERNAL_REFERENCES = re.compile(
+    r"\b[Ii]ssues? #?\d+|\b[Ii]ssue \d+'s|\bthe issue\b|\b(?:this|that|a later|the next) session\b"
+)
+
+
+@pytest.mark.parametrize("scope", sorted(TEXT_SCOPES))
+def test_no_text_refers_to_the_projects_internal_tracker(scope: str) -> None:
+    """Users cannot read the project's issues: a page, a tutorial, a docstring or a
+    message says what it means instead of "issue 17's goals"."""
+    paths = TEXT_SCOPES[scope]()
+    if scope == "docs":
+        paths = [*paths, *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+    found = [
+        f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: {match[0]!r}"
+        for path in paths
+        for text in [path.read_text()]
+        for match in INTERNAL_REFERENCES.finditer(text)
+    ]
+    assert not found, "internal references in user-facing text:\n" + "\n".join(found)
+
+
+def test_the_docs_say_which_config_fields_count_for_engines_started_elsewhere() -> None:
+    """Attached and remote engines run their own settings: the docs name the three
+    fields of ``EngineConfig`` a client still reads (``tests/test_factory.py`` holds
+    the code to it)."""
+    from trio_enginecore.config import EngineConfig
+
+    shape = ["data_parallel_size", "data_parallel_external_lb", "data_parallel_rank"]
+    for documented in [trio_enginecore.open_engine_client, EngineConfig]:
+        doc = inspect.getdoc(documented) or ""
+        missing = [name for name in shape if name not in doc]
+        assert not missing, f"{documented.__name__}'s docstring does not name {missing}"
+        assert "ignored" in doc
+
+
+def test_the_lifecycle_guide_first_says_how_to_stop_and_what_a_death_does() -> None:
+    text = (DOCS / "guide" / "lifecycle.md").read_text()
+    opening = text[: text.index("\n## Launched by the client")]
+    for answer in [
+        "leave its block",
+        "shutdown_timeout_s",
+        "EngineDeadError",
+        'on_engine_failure="fail"',
+        '"route_around"',
+        '"restart"',
+        "Liveness(progress_timeout_s=",
+    ]:
+        assert answer in opening, f"the lifecycle guide's opening does not say {answer!r}"
+
+
+# Furo's code: 81.25 % of a 16 px font, a monospace column about 0.6 of it, and
+# 0.875rem of padding each side of a block.
+CODE_COLUMNS = 100
+COLUMN_EM = 0.8125 * 0.6
+CODE_PADDING_EM = 2 * 0.875
+WINDOW_EM = 1280 / 16
+WIDE_CONTENT_CSS = DOCS / "_static" / "wide-content.css"
+
+
+def _css_rules(css: str) -> dict[float, dict[str, dict[str, str]]]:
+    """The rules of each ``@media (min-width: Nem)`` block: {N: {selector: {property:
+    value}}} (0 for the rules outside such blocks)."""
+    css = re.sub(r"/\*.*?\*/", "", css, flags=re.S)
+    rules: dict[float, dict[str, dict[str, str]]] = {}
+    for media in re.finditer(
+        r"@media \(min-width: ([\d.]+)em\) \{((?:[^{}]*\{[^{}]*\})*)\s*\}", css
+    ):
+        block = rules.setdefault(float(media[1]), {})
+        for rule in re.finditer(r"([^{}]+)\{([^{}]*)\}", media[2]):
+            pairs = (part.split(":", 1) for part in rule[2].split(";") if ":" in part)
+            block[rule[1].strip()] = {name.strip(): value.strip() for name, value in pairs}
+    return rules
+
+
+def test_the_content_column_fits_100_column_code_at_1280_px() -> None:
+    """Furo's 46em column cut the tutorials' 100-column lines at 1280 px; the
+    stylesheet widens it where the window has room."""
+    rules = _css_rules(WIDE_CONTENT_CSS.read_text())
+    applying = [width for width in rules if width <= WINDOW_EM and ".content" in rules[width]]
+    assert applying, "no rule widens the content column at 1280 px"
+    content = rules[max(applying)][".content"]
+    assert content.get("width") == "auto"
+    assert content.get("min-width") == "0", "a wide line would push the page wider"
+    max_width = re.fullmatch(r"([\d.]+)em", content.get("max-width", ""))
+    assert max_width is not None
+    needed = CODE_COLUMNS * COLUMN_EM + CODE_PADDING_EM
+    assert float(max_width[1]) >= needed, f"{max_width[0]} holds less than {needed}em"
+    assert rules[max(applying)].get(".main", {}).get("min-width") == "0"
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+BUILT_DOCS = DOCS / "_build" / "html"
+
+
+def _widest_code_line(page: str, *, at_most: int) -> int:
+    """The longest line, of ``at_most`` columns or fewer, of the code blocks in HTML."""
+    widths = [
+        len(line)
+        for block in re.finditer(r"<pre([^>]*)>(.*?)</pre>", page, re.S)
+        for line in html.unescape(re.sub(r"<[^>]+>", "", block[2])).splitlines()
+    ]
+    return max((width for width in widths if width <= at_most), default=0)
+
+
+def test_no_code_block_of_100_columns_scrolls_at_1280_px(tmp_path: Path) -> None:
+    """In a real browser, at 1280 px, where ``wide-content.js`` marks a code block wider
+    than its box (``te-more-right``): the two tutorial pages of the last docs build
+    with the widest lines of 100 columns or fewer. Needs Chromium and a build of the
+    current stylesheet (``nox -s docs``)."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium to render the pages with")
+    built = BUILT_DOCS / "_static" / "wide-content.css"
+    if not built.exists() or built.read_text() != WIDE_CONTENT_CSS.read_text():
+        pytest.skip("no docs build of the current stylesheet (nox -s docs)")
+    pages = sorted(
+        (BUILT_DOCS / "tutorials").glob("*.html"),
+        key=lambda page: _widest_code_line(page.read_text(), at_most=CODE_COLUMNS),
+    )[-2:]
+    scrolling: list[str] = []
+    for page in pages:
+        dom = subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--window-size=1280,900",
+                "--virtual-time-budget=500",
+                "--dump-dom",
+                page.as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "wide-content.js" in dom, page.name
+        for block in re.finditer(r"<pre([^>]*)>(.*?)</pre>", dom, re.S):
+            if "te-more-right" in block[1]:
+                widest = _widest_code_line(block[0], at_most=CODE_COLUMNS)
+                code = html.unescape(re.sub(r"<[^>]+>", "", block[2]))
+                if max(len(line) for line in code.splitlines()) <= CODE_COLUMNS:
+                    scrolling.append(f"{page.name}: a block of {widest} columns")
+    assert not scrolling, "code blocks that scroll at 1280 px:\n" + "\n".join(scrolling)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import tempfile
 import threading
 import time
 import typing
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -38,7 +41,8 @@ from trio_enginecore.coordinator import CoordinatorAddresses
 from trio_enginecore.engine import CounterModel
 from trio_enginecore.errors import EngineStartupError
 
-from .support import children_of_this_process
+from .enginepeer import serve_command
+from .support import children_of_this_process, expected
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -335,3 +339,45 @@ async def test_both_trio_openers_give_the_same_answer(case: str) -> None:
             with pytest.raises(error, match=message):
                 await connect_engine_client(nursery, config, **options)
     assert children_of_this_process() == before
+
+
+async def test_an_attached_client_reads_only_the_groups_shape_of_its_config() -> None:
+    """Engines started elsewhere run their own settings (as the docs of
+    ``open_engine_client`` and ``EngineConfig`` say): a client attached with a
+    configuration unlike its engine in every field but the group's shape serves it, at
+    the engine's own settings (its model, its ``max_model_len``, its step time, its
+    release)."""
+    tmp = tempfile.mkdtemp(prefix="tec-", dir="/tmp")
+    inp, out = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    command = serve_command(
+        "--input-address", inp, "--output-address", out, "--max-model-len", "512"
+    )
+    unlike = EngineConfig(
+        model="ngram",
+        vocab_size=300,
+        max_num_seqs=1,
+        max_model_len=64,
+        step_time_s=5.0,
+        seed=9,
+        vllm_version="0.33.0",
+    )
+    async with trio.open_nursery() as nursery:
+        process = await nursery.start(partial(trio.run_process, command, check=False))
+        try:
+            with trio.fail_after(30):
+                async with open_engine_client(
+                    unlike, input_address=inp, output_address=out
+                ) as client:
+                    (ready,) = client.engines
+                    assert ready is not None
+                    assert ready.max_model_len == 512
+                    request = EngineCoreRequest.for_tokens([1, 2, 3], max_tokens=100)
+                    async with client.stream(request) as outputs:
+                        tokens = [t async for o in outputs for t in o.new_token_ids]
+                    assert tokens == expected([1, 2, 3], 100)  # the counter model's
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(5):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()

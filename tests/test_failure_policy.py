@@ -253,6 +253,18 @@ def test_the_restart_budget_backs_off_doubling_and_gives_up_within_its_window() 
     assert budget.next_delay(10.7) is None
 
 
+def test_peeking_at_the_restart_budget_counts_nothing() -> None:
+    """The restart's log line, written when the engine dies, gives the delay its
+    restart will wait (``peek_delay``), before the restart counts it (``next_delay``)."""
+    budget = RestartBudget(Restart(max_restarts=2, window_s=10, backoff_s=0.5))
+    assert [budget.peek_delay(0.0), budget.peek_delay(0.0)] == [0.5, 0.5]
+    assert budget.restarts == 0
+    assert budget.next_delay(0.0) == 0.5
+    assert budget.peek_delay(1.0) == budget.next_delay(1.0) == 1.0
+    assert budget.peek_delay(2.0) is None
+    assert budget.restarts == 2
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("max_restarts", 0), ("max_restarts", 1.5), ("window_s", 0), ("backoff_s", -1.0)],

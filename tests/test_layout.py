@@ -259,6 +259,7 @@ EXPORTS = {
         "TrioEngineClient",
         "TrioInprocClient",
         "TrioMPClient",
+        "VllmEngines",
         "connect_engine_client",
         "make_client",
         "open_engine_client",

@@ -18,7 +18,7 @@ from trio_enginecore.client._core._liveness_rules import (
 from trio_enginecore.client._core._policy import Fail, Restart
 from trio_enginecore.client._core._state import ClientState
 
-A, B = b"\x00\x00", b"\x01\x00"
+A, B, C = b"\x00\x00", b"\x01\x00", b"\x02\x00"
 
 # ----------------------------------------------------------------- the settings
 
@@ -69,7 +69,7 @@ def test_a_claimed_connection_that_closes_names_its_engine() -> None:
     table.accepted(8)
     assert table.claim(7, A)
     assert table.claim(8, B)
-    assert table.disconnected(8) == B
+    assert table.disconnected(8) == [B]
     assert not table.connected(B)
     assert table.connected(A)
 
@@ -78,8 +78,8 @@ def test_an_unclaimed_connection_that_closes_names_nobody() -> None:
     # A stranger, a port scanner, or an engine gone before its ready message.
     table = ConnectionTable()
     table.accepted(7)
-    assert table.disconnected(7) is None
-    assert table.disconnected(99) is None  # never seen: nothing happens
+    assert table.disconnected(7) == []
+    assert table.disconnected(99) == []  # never seen: nothing happens
 
 
 def test_an_engines_former_connection_closing_does_not_touch_its_new_one() -> None:
@@ -90,28 +90,29 @@ def test_an_engines_former_connection_closing_does_not_touch_its_new_one() -> No
     table.claim(7, A)
     table.accepted(9)
     table.claim(9, A)
-    assert table.disconnected(7) is None
+    assert table.disconnected(7) == []
     assert table.connected(A)
-    assert table.disconnected(9) == A
+    assert table.disconnected(9) == [A]
 
 
 def test_a_reused_descriptor_belongs_to_the_connection_accepted_last() -> None:
     table = ConnectionTable()
     table.accepted(7)
     table.claim(7, A)
-    assert table.disconnected(7) == A
+    assert table.disconnected(7) == [A]
     table.accepted(7)  # the kernel hands out the same number to the next connection
     assert table.claim(7, B)
-    assert table.disconnected(7) == B
+    assert table.disconnected(7) == [B]
 
 
 def test_a_claim_on_a_connection_already_closed_fails() -> None:
     table = ConnectionTable()
     table.accepted(7)
-    assert table.disconnected(7) is None
+    assert table.disconnected(7) == []
     assert not table.claim(7, A)
     assert not table.connected(A)
     assert len(table) == 0
+    assert table.gone(A)  # adrift, and nothing may be its own
 
 
 def test_a_claim_on_a_connection_never_seen_takes_it_as_open() -> None:
@@ -120,7 +121,138 @@ def test_a_claim_on_a_connection_never_seen_takes_it_as_open() -> None:
     table = ConnectionTable()
     assert table.claim(7, A)
     assert table.connected(A)
-    assert table.disconnected(7) == A
+    assert table.disconnected(7) == [A]
+
+
+# ------------------------------------------- a connection made again, silently
+
+HOST, OTHER_HOST = ("host", "10.0.0.2"), ("host", "10.0.0.3")
+
+
+def lost_and_made_again(peer: object = HOST) -> ConnectionTable:
+    """Engine A's connection (fd 7, from ``HOST``) reset; libzmq made a new one (fd 9)
+    from ``peer``, and A sent nothing on it (vLLM's engines send their ready once)."""
+    table = ConnectionTable()
+    table.accepted(7, HOST)
+    table.claim(7, A)
+    assert table.disconnected(7) == [A]
+    table.accepted(9, peer)
+    return table
+
+
+def test_a_lost_engine_with_no_new_connection_is_gone() -> None:
+    table = ConnectionTable()
+    table.accepted(7, HOST)
+    table.claim(7, A)
+    table.disconnected(7)
+    assert table.candidates(A) == []
+    assert table.gone(A)
+
+
+def test_a_new_connection_from_where_the_lost_one_came_may_be_the_engines() -> None:
+    table = lost_and_made_again()
+    assert table.candidates(A) == [9]
+    assert not table.gone(A)
+    assert not table.connected(A)  # not until it answers
+
+
+def test_a_connection_from_elsewhere_or_of_unknown_origin_is_not_the_engines() -> None:
+    assert lost_and_made_again(OTHER_HOST).gone(A)
+    assert lost_and_made_again(None).gone(A)
+
+
+def test_a_connection_made_before_the_loss_is_not_the_engines() -> None:
+    # While the ROUTER held the engine's identity on its first connection, a second
+    # one carrying it would have been ignored: whoever made fd 8 is someone else.
+    table = ConnectionTable()
+    table.accepted(7, HOST)
+    table.claim(7, A)
+    table.accepted(8, HOST)
+    table.disconnected(7)
+    assert table.gone(A)
+
+
+def test_an_engine_that_answers_is_placed_on_its_new_connection_and_watched_there() -> None:
+    table = lost_and_made_again()
+    table.confirm(A)
+    assert table.connected(A)
+    assert table.candidates(A) == []
+    # Killed or stopped later: that connection's end is its loss, as the first one's.
+    assert table.disconnected(9) == [A]
+    assert table.gone(A)
+
+
+def test_a_new_connection_lost_before_the_engine_answered_puts_it_at_risk_again() -> None:
+    table = lost_and_made_again()
+    assert table.disconnected(9) == [A]
+    assert table.gone(A)
+    table.accepted(11, HOST)  # made again once more (a network that flaps)
+    assert not table.gone(A)
+
+
+def test_a_connection_another_engine_claims_is_not_the_engines_any_more() -> None:
+    table = lost_and_made_again()
+    assert table.claim(9, B)  # B's ready message came on it: B's
+    assert table.gone(A)
+    assert table.connected(B)
+
+
+def test_engines_of_one_host_made_again_together_share_their_candidates() -> None:
+    table = ConnectionTable()
+    for fd, engine in ((7, A), (8, B)):
+        table.accepted(fd, HOST)
+        table.claim(fd, engine)
+    assert table.disconnected(7) == [A]
+    assert table.disconnected(8) == [B]
+    table.accepted(9, HOST)
+    table.accepted(10, HOST)
+    assert not table.gone(A)
+    assert not table.gone(B)
+    # Both answer: each has a connection, nobody can tell which.
+    table.confirm(A)
+    table.confirm(B)
+    assert not table.connected(A)
+    assert not table.connected(B)
+    # One of the two connections ends: either engine may have lost it, and both
+    # must answer again. The one that does holds the connection left, so the other
+    # cannot have one: it is gone.
+    assert sorted(table.disconnected(10)) == [A, B]
+    assert not table.gone(A)
+    assert not table.gone(B)
+    table.confirm(A)
+    assert table.connected(A)  # the only connection that may be its own
+    assert table.gone(B)
+
+
+def test_an_engine_that_answered_is_placed_once_the_others_took_theirs() -> None:
+    table = ConnectionTable()
+    for fd, engine in ((7, A), (8, B)):
+        table.accepted(fd, HOST)
+        table.claim(fd, engine)
+    table.disconnected(7)
+    table.disconnected(8)
+    table.accepted(9, HOST)
+    table.accepted(10, HOST)
+    table.confirm(A)
+    assert table.candidates(A) == [9, 10]
+    assert table.claim(10, B)  # B reconnected with a ready message (the reference engine)
+    assert table.connected(A)
+    assert table.disconnected(9) == [A]
+
+
+def test_an_engine_out_of_service_holds_no_connection() -> None:
+    table = ConnectionTable()
+    for fd, engine in ((7, A), (8, B), (9, C)):
+        table.accepted(fd, HOST)
+        table.claim(fd, engine)
+        table.disconnected(fd)
+    table.accepted(10, HOST)
+    table.accepted(11, HOST)
+    table.confirm(A)
+    table.confirm(C)
+    assert table.gone(B)  # the two connections are A's and C's
+    table.forget(A)  # declared dead meanwhile (hung, say)
+    assert not table.gone(B)
 
 
 # ------------------------------------------------------------------ progress

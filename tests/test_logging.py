@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -19,6 +21,7 @@ import pytest
 import trio
 
 from trio_enginecore import EngineConfig, EngineCoreRequest, EngineDeadError, open_engine_client
+from trio_enginecore.client import Restart
 from trio_enginecore.client._multiprocess._launch import engine_log_level, parse_relayed_line
 
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d")
@@ -156,3 +159,26 @@ async def test_an_engine_failure_is_relayed_once_at_its_own_level(
     assert len(relayed) == 1, [r.getMessage() for r in relayed]
     assert relayed[0].levelno == logging.CRITICAL  # the engine logs it so
     assert not TIMESTAMP.search(relayed[0].getMessage())
+
+
+async def test_an_engine_restart_is_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A killed engine under ``on_engine_failure="restart"``: its death, its restart
+    (one line, with the back-off and the engines in service meanwhile) and its return,
+    each logged once; before, the restart was announced twice."""
+    caplog.set_level(logging.WARNING, logger="trio_enginecore")
+    with trio.fail_after(60):
+        async with open_engine_client(
+            EngineConfig(step_time_s=0.01), on_engine_failure=Restart(backoff_s=0.3)
+        ) as client:
+            (first,) = client.engine_pids
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            while client.statistics().engines[0].restarts < 1:
+                await trio.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if r.name == "trio_enginecore.client"]
+    restarting = [line for line in lines if "restart" in line and "back in service" not in line]
+    assert restarting == [
+        f"restarting engine rank 0, pid {first} in 0.3 s; engine(s) [] in service"
+    ], lines
+    assert sum("died" in line for line in lines) == 1, lines
+    assert sum("back in service (restart 1)" in line for line in lines) == 1, lines

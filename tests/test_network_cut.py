@@ -1,4 +1,5 @@
-"""An engine cut off by the network is dead within 3 s, as a killed one is.
+"""An engine cut off by the network is dead within 3 s, as a killed one is; one whose
+connection the network resets, and that makes it again, is not.
 
 A cut is silent: nothing closes, nothing is refused, packets just stop. Only the
 heartbeats on the client's input socket can tell, so these tests cut the path while
@@ -9,6 +10,12 @@ both processes run on:
 * a remote engine in its own network namespace, joined to this one by a veth pair,
   whose link is taken down (root and ``ip netns`` needed; skipped otherwise).
 
+A reset is loud but brief: both ends get a TCP RST mid-step, and the engine's libzmq
+connects again through the same proxies 0.1 s later, whatever its busy loop is doing.
+With steps of 5 s that hold the engine's thread (and the GIL), the engine cannot show
+life within the 0.5 s grace: it must not be taken for dead, while a killed or stopped
+engine behind the same proxies still is, within 3 s.
+
 Real engine processes, real TCP; default liveness settings.
 """
 
@@ -17,11 +24,11 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import final
 
 import pytest
 import trio
@@ -37,57 +44,12 @@ from trio_enginecore.client import TrioEngineClient
 from trio_enginecore.client._multiprocess._launch import serve_arguments
 
 from .enginepeer import serve_command
-from .support import free_port, stop_process
+from .proxies import FreezableProxy
+from .support import expected, free_port, stop_process, stream_tokens
 
 CONFIG = EngineConfig(step_time_s=0.01)
 NOTICED_WITHIN_S = 3.0
 """What the default liveness settings promise for a cut-off engine."""
-
-
-@final
-class FreezableProxy:
-    """Forwards each TCP connection accepted on 127.0.0.1 to ``target_port``, bytes
-    both ways, until :meth:`freeze`: from then on it forwards nothing, drops what
-    comes, and closes nothing; new connections are accepted and held, never forwarded.
-    """
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self.frozen = trio.Event()
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(
-                partial(trio.serve_tcp, self._forward, 0, host="127.0.0.1")
-            )
-            self.port = listeners[0].socket.getsockname()[1]
-            task_status.started()
-
-    def freeze(self) -> None:
-        self.frozen.set()
-
-    async def _forward(self, engine_side: trio.SocketStream) -> None:
-        async with engine_side:
-            if self.frozen.is_set():
-                await trio.sleep_forever()
-            try:
-                client_side = await trio.open_tcp_stream("127.0.0.1", self.target_port)
-            except OSError:
-                return  # nobody listening yet: the engine tries again
-            async with client_side, trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump, engine_side, client_side)
-                nursery.start_soon(self._pump, client_side, engine_side)
-
-    async def _pump(self, source: trio.SocketStream, sink: trio.SocketStream) -> None:
-        try:
-            async for chunk in source:
-                if self.frozen.is_set():
-                    await trio.sleep_forever()  # what came is dropped; nothing closes
-                await sink.send_all(chunk)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        await trio.sleep_forever()  # a closed side is not passed on either
 
 
 async def time_to_death_after(
@@ -151,6 +113,151 @@ async def test_an_attached_engine_behind_a_path_that_stops_forwarding_is_dead_wi
     assert elapsed < NOTICED_WITHIN_S, elapsed
     assert "engine rank 0 died: its connection was lost" in message
     assert "the network between us failed" in message
+
+
+# ---------------------------------------------------- a connection reset mid-step
+
+LONG_STEP_S = 5.0
+FOREVER = 1_000_000
+"""Tokens of a request that outlives every test."""
+
+
+def stepping(held: bool) -> EngineConfig:
+    """Steps of 5 s: sleeping ones (the engine's Trio loop runs meanwhile), or, held,
+    each spinning in Python with the GIL (``stall_steps``, set once the client is
+    ready), as a vLLM engine's busy loop is in a long step."""
+    if held:
+        return EngineConfig(step_time_s=0, enable_fault_injection=True)
+    return EngineConfig(step_time_s=LONG_STEP_S, enable_fault_injection=True)
+
+
+@asynccontextmanager
+async def behind_proxies(
+    cfg: EngineConfig, *, held: bool
+) -> AsyncIterator[tuple[TrioEngineClient, trio.Process, list[FreezableProxy]]]:
+    """An engine in attach mode whose two connections go through proxies, and a client
+    attached to it (default liveness settings), its steps of 5 s; the engine is
+    killed on the way out. What the client's block raises is raised as itself."""
+    input_port, output_port = free_port(), free_port()
+    error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        proxies = [FreezableProxy(input_port), FreezableProxy(output_port)]
+        for proxy in proxies:
+            await nursery.start(proxy.run)
+        process = await trio.lowlevel.open_process(
+            serve_command(
+                "--input-address",
+                f"tcp://127.0.0.1:{proxies[0].port}",
+                "--output-address",
+                f"tcp://127.0.0.1:{proxies[1].port}",
+                *serve_arguments(cfg),
+            )
+        )
+        try:
+            async with open_engine_client(
+                cfg,
+                input_address=f"tcp://127.0.0.1:{input_port}",
+                output_address=f"tcp://127.0.0.1:{output_port}",
+                ready_timeout_s=20,
+            ) as client:
+                if held:
+                    await client.call_utility("stall_steps", LONG_STEP_S)
+                yield client, process, proxies
+        except Exception as exc:
+            error = exc  # raised below, outside the nursery: not in a group
+        finally:
+            await stop_process(process, grace_s=None)
+            nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+async def watch_states(client: TrioEngineClient, seen: set[str]) -> None:
+    """Record every state the client's view of its engine goes through."""
+    while True:
+        seen.update(engine.state for engine in client.statistics().engines)
+        await trio.sleep(0.02)
+
+
+async def reset_mid_step(
+    client: TrioEngineClient, proxies: list[FreezableProxy]
+) -> tuple[float, EngineDeadError]:
+    """Stream a long request; once its first token came (its next step under way),
+    reset both connections; how long after the reset the stream failed, and how.
+
+    The reference engine drops the requests of a connection it lost, and greets the
+    new one with its ready message: the stream fails, saying so, once the engine's
+    Python runs again (at once with sleeping steps, when its step ends when held)."""
+    request = EngineCoreRequest.for_tokens([5], request_id="reset", max_tokens=FOREVER)
+    async with client.stream(request) as outputs:
+        await outputs.receive()
+        await trio.sleep(0.5)  # well into the next step
+        assert [proxy.reset() for proxy in proxies] == [1, 1]
+        reset_at = trio.current_time()
+        with pytest.raises(EngineDeadError) as lost:
+            async for _ in outputs:
+                pass
+    return trio.current_time() - reset_at, lost.value
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["sleeping-steps", "gil-holding-steps"])
+async def test_a_connection_reset_mid_step_is_not_a_death(held: bool) -> None:
+    seen: set[str] = set()
+    with trio.fail_after(90):
+        async with (
+            behind_proxies(stepping(held), held=held) as (client, process, proxies),
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(watch_states, client, seen)
+            waited, lost = await reset_mid_step(client, proxies)
+            assert "engine rank 0" in str(lost)
+            assert "sent a second ready message" in str(lost)
+            assert lost.retryable  # the engine is in service: sending again may succeed
+            if held:
+                # It could say nothing before its step ended: kept, suspect, past the
+                # 0.5 s it has to be back, because it connected again at once.
+                assert waited > 1.0, waited
+                assert "suspect" in seen
+            assert "dead" not in seen
+            assert not client.is_dead
+            # The same engine serves on, on its new connections (the reference engine
+            # also reopens its output socket when a client's input connection ends).
+            assert proxies[0].connections == 2
+            assert proxies[1].connections >= 2
+            assert process.returncode is None
+            await client.call_utility("stall_steps", 0)
+            after = EngineCoreRequest.for_tokens([44, 7], request_id="after", max_tokens=1)
+            assert await stream_tokens(client, after) == expected([44, 7], 1)
+            assert [engine.state for engine in client.statistics().engines] == ["alive"]
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+async def test_behind_proxies_that_reset_a_killed_or_stopped_engine_is_dead_within_3s(
+    sig: signal.Signals,
+) -> None:
+    """Mid-step, with steps of 5 s held: the engine cannot reconnect (killed, or
+    stopped with its libzmq thread), so the proxies' readiness to carry a new
+    connection changes nothing. The stopped one first came back from a reset: its new
+    connections are watched as its first ones were."""
+    with trio.fail_after(90):
+        with pytest.raises(EngineDeadError):
+            async with behind_proxies(stepping(True), held=True) as (client, process, proxies):
+                if sig is signal.SIGSTOP:
+                    await reset_mid_step(client, proxies)
+                    assert not client.is_dead
+                request = EngineCoreRequest.for_tokens([9], request_id="doomed", max_tokens=FOREVER)
+                async with client.stream(request) as outputs:
+                    await outputs.receive()
+                    await trio.sleep(0.5)  # well into the next step
+                    os.kill(process.pid, sig)
+                    signalled = trio.current_time()
+                    with pytest.raises(EngineDeadError) as died:
+                        async for _ in outputs:
+                            pass
+                    elapsed = trio.current_time() - signalled
+    assert elapsed < NOTICED_WITHIN_S, elapsed
+    assert "engine rank 0 died: its connection was lost" in str(died.value)
 
 
 # ------------------------------------------------------------ a network namespace

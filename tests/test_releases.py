@@ -28,7 +28,7 @@ from trio_enginecore import (
     open_engine_client,
 )
 from trio_enginecore.client._core._engines import EngineHandle
-from trio_enginecore.client._multiprocess._startup import adopt_dialect
+from trio_enginecore.client._multiprocess._startup import EngineDialects
 from trio_enginecore.dialects import DIALECTS, VLLM_0_33, VLLM_0_34
 from trio_enginecore.engine import EngineCore
 
@@ -179,6 +179,7 @@ def test_an_engine_that_comes_back_is_spoken_to_in_its_new_release(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = EngineHandle.for_rank(0)
+    adopt_dialect = EngineDialects().adopt
     base = EngineCore(EngineConfig()).ready_response()
     engine.ready = msgspec.structs.replace(base, vllm_version="0.33.0")
     adopt_dialect(engine)

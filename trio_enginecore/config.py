@@ -18,7 +18,8 @@ from typing import Any, Final
 
 import attrs
 
-from .dialects import DIALECTS, NEWEST, choose_dialect
+from ._keywords import suggest_keywords
+from .dialects import DIALECTS, NEWEST, Dialect, parse_release
 
 __all__ = ["MODELS", "EngineConfig"]
 
@@ -85,16 +86,38 @@ def _boolean(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None
         raise ValueError(f"EngineConfig.{attribute.name} must be True or False, got {value!r}")
 
 
-def _known_vllm_version(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    known = ", ".join(dialect.tested_version for dialect in DIALECTS)
+def _known_dialect(version: str) -> Dialect | None:
+    """The dialect of the release ``version`` names, if it is a supported one."""
     try:
-        choice = choose_dialect(value) if isinstance(value, str) else None
+        release = parse_release(version)
     except ValueError:
-        choice = None
-    if choice is None or choice.untested:
-        raise ValueError(
-            f"EngineConfig.vllm_version must be a supported vLLM release ({known}), got {value!r}"
-        )
+        return None
+    return next((dialect for dialect in DIALECTS if dialect.release == release), None)
+
+
+def _known_vllm_version(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, str) and value.strip():
+        try:
+            parse_release(value)
+        except ValueError:
+            return  # names no release ("dev"): it speaks as wire_release says
+        if _known_dialect(value) is not None:
+            return
+    known = ", ".join(dialect.tested_version for dialect in DIALECTS)
+    raise ValueError(
+        f"EngineConfig.vllm_version must be a supported vLLM release ({known}) or a "
+        f"version that names no release (such as 'dev'), got {value!r}"
+    )
+
+
+def _known_release(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None or (isinstance(value, str) and _known_dialect(value) is not None):
+        return
+    known = ", ".join(f"{d.release[0]}.{d.release[1]}" for d in DIALECTS)
+    raise ValueError(
+        f"EngineConfig.wire_release must be None or a supported vLLM release ({known}), "
+        f"got {value!r}"
+    )
 
 
 def _model_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -102,12 +125,22 @@ def _model_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         raise ValueError(f"EngineConfig.model must be one of {', '.join(MODELS)}; got {value!r}")
 
 
+@suggest_keywords
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """Everything an engine needs to know to start, validated on construction.
 
     Every field has a working default, so ``EngineConfig()`` is an engine running the
-    ``counter`` model. Bad values raise :class:`ValueError` naming the field.
+    ``counter`` model. Bad values raise :class:`ValueError` naming the field, and an
+    unknown keyword a :class:`TypeError` naming the nearest field.
+
+    It describes the engines a client launches. For engines started elsewhere
+    (attached with ``input_address``/``output_address``, or joining with
+    ``remote=RemoteEngines(...)``), which run their own settings, a client reads only
+    the group's shape: :attr:`data_parallel_size` (how many engines to wait for),
+    :attr:`data_parallel_external_lb` and, with it, :attr:`data_parallel_rank` (the one
+    rank the client serves). The other fields are ignored there: give
+    ``EngineConfig(data_parallel_size=N)``, or nothing for one engine.
     """
 
     model: str = attrs.field(
@@ -251,7 +284,25 @@ class EngineConfig:
     """The vLLM release the engine presents itself as: the version in its ready
     message, which tells clients what form to write requests in, and the form of its
     outputs and ready message. It reads requests in every supported release's form
-    either way, so vLLM clients of each release can use it."""
+    either way, so vLLM clients of each release can use it.
+
+    A version that names no release (``"dev"``, as vLLM run from a source tree
+    announces it) is allowed too: the engine then speaks the release
+    :attr:`wire_release` names, and clients recognise it from its ready message's
+    keys."""
+
+    wire_release: str | None = attrs.field(
+        default=None,
+        validator=_known_release,
+        metadata=_flag(
+            "--wire-release",
+            "with a --vllm-version that names no release (dev): the release whose wire "
+            "format the engine speaks (default: the newest supported)",
+        ),
+    )
+    """The release whose wire format the engine speaks (``"0.33"``) when
+    :attr:`vllm_version` names none; None: the newest supported one. With a
+    ``vllm_version`` that names a release, None or that release."""
 
     enable_fault_injection: bool = attrs.field(
         default=False,
@@ -283,6 +334,26 @@ class EngineConfig:
                 f"EngineConfig.vocab_size must be at least 257 for the ngram model, "
                 f"got {self.vocab_size}"
             )
+        named = _known_dialect(self.vllm_version)
+        wire = self.wire_release
+        if named is not None and wire is not None and parse_release(wire) != named.release:
+            raise ValueError(
+                f"EngineConfig.wire_release ({wire}) contradicts vllm_version "
+                f"({self.vllm_version}): it is only for a version that names no release"
+            )
+
+    @property
+    def dialect(self) -> Dialect:
+        """The release whose wire format the engine speaks: the one
+        :attr:`vllm_version` names, else :attr:`wire_release`'s, else the newest."""
+        named = _known_dialect(self.vllm_version)
+        if named is not None:
+            return named
+        if self.wire_release is not None:
+            wire = _known_dialect(self.wire_release)
+            assert wire is not None  # validated
+            return wire
+        return NEWEST
 
     def evolve(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (and validated again)."""

@@ -62,7 +62,7 @@ import functools
 import math
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import (
     TYPE_CHECKING,
     Annotated,
@@ -81,6 +81,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._field_checks import FieldCheck
+from ._keywords import check_keywords, known_keywords
 
 __all__ = [
     "COORDINATOR_READY",
@@ -788,7 +789,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         else:
             prompt = list(prompt_token_ids)
         if sampling_params is None:
-            sampling_params = SamplingParams(**sampling)
+            try:
+                sampling_params = SamplingParams(**sampling)
+            except TypeError:
+                _check_sampling_keywords(sampling)
+                raise
         elif sampling:
             raise TypeError(
                 "give either sampling_params or sampling keywords, not both "
@@ -806,6 +811,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             data_parallel_rank=data_parallel_rank,
             priority=priority,
         )
+
+
+def _check_sampling_keywords(sampling: Mapping[str, object]) -> None:
+    """Refuse a keyword of :meth:`EngineCoreRequest.for_tokens` that is neither a
+    :class:`SamplingParams` field nor one of its own, naming the nearest (``max_token``:
+    ``did you mean 'max_tokens'?``). Called once a construction failed."""
+    known = {*SamplingParams.__struct_fields__, *known_keywords(EngineCoreRequest.for_tokens)}
+    check_keywords("EngineCoreRequest.for_tokens", sampling, known)
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, gc=False):

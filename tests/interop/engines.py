@@ -73,6 +73,7 @@ async def vllm_engine(
     *,
     python: Path | None = None,
     model_dir: Path | None = None,
+    announce_version: str | None = None,
     **options: Any,
 ) -> AsyncIterator[VllmEngine]:
     """A vLLM engine core started by ``mode``'s launcher, and our client, ready.
@@ -80,6 +81,8 @@ async def vllm_engine(
     ``python``: the environment of another vLLM release than the one under test;
     ``model_dir``: the model to serve (a directory with a ``config.json`` the counter
     executor can serve; default: the launcher's tiny llama);
+    ``announce_version``: the version the engine core announces in its ready message
+    instead of vLLM's own (``"dev"``, as vLLM run from a source tree);
     ``options``: more of ``open_engine_client``'s options (``liveness``, say)."""
     client_args: dict[str, Any]
     if mode == "headless":
@@ -92,6 +95,8 @@ async def vllm_engine(
         client_args = {"input_address": inputs, "output_address": outputs}
     if model_dir is not None:
         args += ["--model-dir", str(model_dir)]
+    if announce_version is not None:
+        args += ["--announce-version", announce_version]
     with vllm_process(script, args, tmp_path / f"vllm-{mode}.log", python=python) as launcher:
         start = trio.current_time()
         try:

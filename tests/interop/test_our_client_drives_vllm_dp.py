@@ -8,6 +8,8 @@ request wave ends), every way the client meets them:
   both ranks, which join our client's handshake; our coordinator (a task of the client);
 - ``per-rank``: one headless launcher per rank, as two hosts run them; the ranks of a MoE
   group meet where the client's handshake tells them (``data_parallel_master_ip``);
+- ``launched``: our client launches each rank itself, ``vllm serve --headless``
+  (``VllmEngines``, see ``launched.py``), and owns it;
 - ``attach``: our client binds its ROUTER and PULL and vLLM's supervisor
   (``launch_core_engines``) starts the engines and vLLM's own ``DPCoordinator``, which
   the client follows from the address in the engines' ready messages.
@@ -51,6 +53,7 @@ from trio_enginecore import (
 from trio_enginecore.client import DPLBTrioMPClient
 
 from ..support import expected, free_port
+from .launched import relayed_engine_lines, vllm_engines, write_model
 from .support import VllmProcess, require_vllm, trouble_lines, vllm_version
 from .workloads import cancel_half_midway, exact_streams, generate
 
@@ -59,7 +62,7 @@ require_vllm()
 MODES = [
     ("headless", "llama"),
     ("headless", "mixtral"),
-    ("per-rank", "llama"),
+    ("launched", "llama"),
     ("per-rank", "mixtral"),
     ("attach", "llama"),
     ("attach", "mixtral"),
@@ -73,6 +76,8 @@ class VllmGroup:
     ready_s: float
     pids: list[int]
     waves: list[tuple[int, bool]] = field(default_factory=list[tuple[int, bool]])
+    relayed: list[str] = field(default_factory=list[str])
+    """The log lines of engines the client launched, as it relays them."""
 
     async def rpc_all(self, method: str, *args: Any) -> list[Any]:
         """``collective_rpc`` of each engine's fake executor, by rank."""
@@ -81,7 +86,7 @@ class VllmGroup:
         return [result[0] for result in results]
 
     def logs(self) -> str:
-        return "\n".join(launcher.log() for launcher in self.launchers)
+        return "\n".join([*(launcher.log() for launcher in self.launchers), *self.relayed])
 
 
 @asynccontextmanager
@@ -96,6 +101,10 @@ async def vllm_group(
     """``size`` vLLM engine cores of ``model`` started by ``mode``'s launchers, and our
     client, ready, its view of the waves logged. ``options``: more of
     ``open_engine_client``'s options (the liveness checks are the defaults)."""
+    if mode == "launched":
+        async with _launched_group(model, tmp_path, size, **options) as group:
+            yield group
+        return
     config = EngineConfig(data_parallel_size=size)
     client_args: dict[str, Any]
     scripts: list[tuple[str, list[str]]]
@@ -146,6 +155,28 @@ async def vllm_group(
         except EngineStartupError as exc:
             tails = "\n".join(launcher.log_tail() for launcher in launchers)
             raise AssertionError(f"{exc}\nvLLM's logs end:\n{tails}") from exc
+
+
+@asynccontextmanager
+async def _launched_group(
+    model: str, tmp_path: Path, size: int, **options: Any
+) -> AsyncIterator[VllmGroup]:
+    """``vllm_group``'s ``launched`` mode: the client launches the ranks itself; their
+    log is what the client relays of it."""
+    vllm = vllm_engines(
+        write_model(model, tmp_path / model), data_parallel_size=size, moe=model == "mixtral"
+    )
+    with relayed_engine_lines() as lines:
+        start = trio.current_time()
+        async with open_engine_client(vllm=vllm, ready_timeout_s=60 * size, **options) as client:
+            assert isinstance(client, DPLBTrioMPClient)
+            ready_s = trio.current_time() - start
+            pids = await client.call_utility_all("collective_rpc", "executor_pid", None, [])
+            group = VllmGroup(client, [], ready_s, [pid for (pid,) in pids], relayed=lines)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_log_waves, group)
+                yield group
+                nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager
@@ -359,17 +390,19 @@ async def test_of_three_ranks_on_one_host_a_killed_and_a_stopped_one_fail_only_t
     tmp_path: Path, timings: dict[str, float]
 ) -> None:
     """Three dense ranks, one launcher each (vLLM's ``CoreEngineProcManager`` stops all
-    its engines when one dies, so ranks of one launcher cannot outlive each other), and
-    ``on_engine_failure="route_around"``, the liveness checks the defaults. Rank 1
-    (10 ms steps) is killed mid-stream, then rank 2 (5 s steps) stopped mid-step: each
-    time only that rank's streams fail, within 3 s, saying its connection was lost;
-    rank 0's streams go on to their exact end, and new requests go to it."""
+    its engines when one dies, so ranks of one launcher cannot outlive each other),
+    launched by the client (``VllmEngines``), and ``on_engine_failure="route_around"``,
+    the liveness checks the defaults. Rank 1 (10 ms steps) is killed mid-stream, then
+    rank 2 (5 s steps) stopped mid-step: each time only that rank's streams fail,
+    within 3 s, saying its connection was lost or its launcher exited (whichever the
+    client saw first); rank 0's streams go on to their exact end, and new requests go
+    to it."""
     ranks = 3
     async with vllm_group(
-        "per-rank", "llama", tmp_path, size=ranks, on_engine_failure="route_around"
+        "launched", "llama", tmp_path, size=ranks, on_engine_failure="route_around"
     ) as group:
         client = group.client
-        timings["time to ready, DP 3 llama per-rank"] = group.ready_s
+        timings["time to ready, DP 3 llama launched"] = group.ready_s
         pids = await group.rpc_all("executor_pid")
         assert sorted(pids) == sorted(group.pids)
         await group.rpc_all("set_step_delay", 0.02)  # 1000 tokens: 20 s and more
@@ -432,7 +465,7 @@ async def test_of_three_ranks_on_one_host_a_killed_and_a_stopped_one_fail_only_t
         assert stopped < 3.0
         for (rank, _), (_, message) in failed.items():
             assert f"engine rank {rank}" in message
-            assert "its connection was lost" in message
+            assert "its connection was lost" in message or "its vLLM launcher" in message
         assert finished == {
             (0, i): (expected([i + 1], 1000), FinishReason.LENGTH) for i in range(2)
         }

@@ -18,6 +18,12 @@ unless a test says otherwise:
   I/O threads alive (a step that never ends) is ``EngineDeadError`` once
   ``progress_timeout_s`` passed with a request pending and nothing from it, not before,
   and the message says so;
+* *a reset is not a death*: both of an attached engine core's TCP connections reset
+  mid-step (5 s steps; through proxies that send both ends a RST, then carry the
+  connections libzmq makes again by itself): the engine is suspect, never dead; its
+  stream in flight fails, retryable (what was on its way may be lost), and is aborted
+  on the engine; the next request is exact; once it answers it is watched on its new
+  connection: a ``SIGKILL`` then is noticed within 3 s;
 * with heartbeats on, vLLM logs no ERROR, no traceback and no warning about the
   connection in a run where nothing went wrong.
 
@@ -29,22 +35,27 @@ counterpart (three ranks, one killed and one stopped, ``route_around``) is in
 from __future__ import annotations
 
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import trio
 
 from trio_enginecore import (
+    EngineConfig,
     EngineCoreRequest,
     EngineDeadError,
     FinishReason,
     Liveness,
     RequestStream,
+    open_engine_client,
 )
 
-from ..support import expected, process_is_running
+from ..proxies import FreezableProxy
+from ..support import expected, free_port, process_is_running
 from .engines import MODES, VllmEngine, vllm_engine
-from .support import require_vllm, trouble_lines
+from .support import require_vllm, trouble_lines, vllm_process
 from .workloads import generate
 
 require_vllm()
@@ -240,3 +251,112 @@ async def _signalled(
     for message in messages:
         assert "engine rank 0" in message
         assert "its connection was lost" in message
+
+
+# ---------------------------------------------------- a connection reset mid-step
+
+
+@asynccontextmanager
+async def attached_through_proxies(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[VllmEngine, list[FreezableProxy]]]:
+    """vLLM's engine core started by its own supervisor for our client (attach mode),
+    over TCP, its input and output connections each through a
+    :class:`~tests.proxies.FreezableProxy`. What the client's block raises is raised
+    as itself."""
+    input_port, output_port = free_port(), free_port()
+    error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        proxies = [FreezableProxy(input_port), FreezableProxy(output_port)]
+        for proxy in proxies:
+            await nursery.start(proxy.run)
+        args = [
+            "--input-address",
+            f"tcp://127.0.0.1:{proxies[0].port}",
+            "--output-address",
+            f"tcp://127.0.0.1:{proxies[1].port}",
+        ]
+        try:
+            with vllm_process("launch_attach.py", args, tmp_path / "vllm-tcp.log") as launcher:
+                start = trio.current_time()
+                async with open_engine_client(
+                    EngineConfig(),
+                    input_address=f"tcp://127.0.0.1:{input_port}",
+                    output_address=f"tcp://127.0.0.1:{output_port}",
+                    ready_timeout_s=90,
+                ) as client:
+                    ready_s = trio.current_time() - start
+                    started = await trio.to_thread.run_sync(launcher.next_report, 30)
+                    assert started["event"] == "started", started
+                    (pid,) = started["pids"]
+                    yield VllmEngine("attach", client, launcher, ready_s, pid), proxies
+        except Exception as exc:
+            error = exc  # raised below, outside the nursery: not in a group
+        finally:
+            nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+def test_a_connection_reset_mid_step_is_not_a_death_and_the_new_one_is_watched(
+    tmp_path: Path, timings: dict[str, float]
+) -> None:
+    trio.run(_reset_mid_step, tmp_path, timings)  # by hand, as above
+
+
+async def _reset_mid_step(tmp_path: Path, timings: dict[str, float]) -> None:
+    """vLLM sends its ready message once and says nothing on the connection libzmq
+    makes again; mid-step it answers nothing for seconds. Kept, suspect, for as long
+    as its step runs, because a new connection came from where its lost one did."""
+    seen: set[str] = set()
+    prompt = [7, 3]
+    with pytest.raises(EngineDeadError) as died:  # the client's block, after the kill
+        async with attached_through_proxies(tmp_path) as (engine, proxies):
+            try:
+                client = engine.client
+                await engine.rpc("set_step_delay", LONG_STEP_S)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch_states, engine, seen)
+                    request = EngineCoreRequest.for_tokens(prompt, request_id="reset", max_tokens=3)
+                    with trio.fail_after(4 * LONG_STEP_S + 30):
+                        # What was on its way when the connections broke may be lost:
+                        # the stream fails (retryable) rather than risk a gap.
+                        with pytest.raises(EngineDeadError, match="made it again") as lost:
+                            async with client.stream(request) as outputs:
+                                tokens = list((await outputs.receive()).new_token_ids)
+                                await trio.sleep(1.0)  # well into the next step
+                                assert [proxy.reset() for proxy in proxies] == [1, 1]
+                                reset_at = trio.current_time()
+                                await rest_of(outputs, tokens)
+                        while not only_alive(engine):  # it answered the client's calls
+                            await trio.sleep(0.05)
+                    timings["reset mid-step (5 s steps) -> stream failed, alive"] = (
+                        trio.current_time() - reset_at
+                    )
+                    nursery.cancel_scope.cancel()
+                assert lost.value.retryable
+                # The request was aborted on the engine; the next one is exact.
+                await engine.rpc("set_step_delay", 0)
+                with trio.fail_after(30):
+                    while "reset" not in await engine.rpc("finished_request_ids"):
+                        await trio.sleep(0.1)
+                again = EngineCoreRequest.for_tokens(prompt, max_tokens=3)
+                assert await generate(client, again) == (
+                    expected(prompt, 3),
+                    FinishReason.LENGTH,
+                )
+                assert "suspect" in seen
+                assert "dead" not in seen
+                assert not client.is_dead
+                assert [proxy.connections for proxy in proxies] == [2, 2]
+                # Watched on its new connection: killed now, noticed as on its first.
+                engine.send_signal(signal.SIGKILL)
+                killed_at = trio.current_time()
+                with trio.fail_after(NOTICED_WITHIN_S + 10):
+                    await client.wait_failed()
+                elapsed = trio.current_time() - killed_at
+            finally:
+                engine.kill()
+    timings["kill -9 after a reset -> EngineDeadError"] = elapsed
+    assert elapsed < NOTICED_WITHIN_S, elapsed
+    assert "engine rank 0 died: its connection was lost" in str(died.value)

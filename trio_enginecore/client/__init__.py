@@ -13,7 +13,8 @@ The public names, by what they are for:
   :class:`ClientStatistics`, :class:`EngineStatus`;
 * settings: :class:`ClientOptions`, :data:`FailurePolicy` and :class:`Restart`,
   :class:`Liveness`, :class:`RemoteEngines` with :class:`EngineRestarter` and
-  :class:`RestartedEngine`, :class:`RayEngines`, and load balancing
+  :class:`RestartedEngine`, :class:`RayEngines`, :class:`VllmEngines` (vLLM's own
+  engine cores, launched by the client), and load balancing
   (:class:`LoadBalancer`, :class:`LeastLoaded`, :class:`PowerOfTwoChoices`,
   :class:`EngineLoad`);
 * the transport seam (provisional): :class:`Transport`, :class:`ClientLink`,
@@ -56,6 +57,7 @@ from ._multiprocess._remote import (
     RemoteEngines as RemoteEngines,
     RestartedEngine as RestartedEngine,
 )
+from ._multiprocess._vllm import VllmEngines as VllmEngines
 from ._options import ClientOptions as ClientOptions
 from ._ray._session import open_ray_engine_client as open_ray_engine_client
 from ._ray._settings import RayEngines as RayEngines
@@ -92,6 +94,7 @@ __all__ = [
     "TrioEngineClient",
     "TrioInprocClient",
     "TrioMPClient",
+    "VllmEngines",
     "connect_engine_client",
     "make_client",
     "open_engine_client",

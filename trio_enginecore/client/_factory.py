@@ -12,7 +12,13 @@ from ._client import TrioEngineClient
 from ._inproc import InprocClient, TrioInprocClient, open_trio_inproc_client
 from ._interface import EngineCoreClient
 from ._mp import TrioMPClient, new_mp_client
-from ._options import ClientOptionKeywords, ClientOptions, InprocOptionKeywords, options_from
+from ._options import (
+    ClientOptionKeywords,
+    ClientOptions,
+    InprocOptionKeywords,
+    check_option_keywords,
+    options_from,
+)
 from ._running import run_client
 from ._sync import SyncMPClient
 
@@ -88,6 +94,16 @@ def open_engine_client(
     as a task of the client (:class:`~trio_enginecore.TrioInprocClient`): no process,
     no sockets.
 
+    Engines started elsewhere (attached with ``input_address`` and ``output_address``,
+    or joining with ``remote``) run their own settings, not ``config``'s: of ``config``
+    only three fields count, the group's shape. ``data_parallel_size`` is how many
+    engines the client waits for; with ``data_parallel_external_lb=True`` the client
+    serves one rank of them, ``data_parallel_rank``. Every other field is ignored, so
+    ``EngineConfig(data_parallel_size=2)`` (or no ``config``, for one engine) is all
+    such a client needs. The exception: ranks that a client with
+    ``RemoteEngines(ranks=...)`` launches itself are reference engines run from the
+    whole of ``config``.
+
     Leaving the block aborts in-flight requests, stops launched engines (SIGTERM, then
     SIGKILL after ``shutdown_timeout_s``), closes the sockets and removes the private
     directory, whether the block ended normally, with an exception or by cancellation.
@@ -119,6 +135,10 @@ def open_engine_client(
         remote: launch nothing; the engines start on other hosts
             (``trio-enginecore serve --headless``) and join over TCP, optionally
             authenticated with CURVE (see :class:`~trio_enginecore.RemoteEngines`)
+            (default ``None``).
+        vllm: launch vLLM's own engine cores instead of the reference engine,
+            ``vllm serve MODEL --headless`` per rank, owned as reference engines are
+            (see :class:`~trio_enginecore.VllmEngines`); give no ``config`` with it
             (default ``None``).
         liveness: how the client notices that an engine, of any kind, died,
             stopped or hung (:class:`~trio_enginecore.Liveness`): its connection
@@ -184,7 +204,7 @@ def open_engine_client(
             option.
     """
     config = config if config is not None else EngineConfig()
-    options = options_from(options, keywords)
+    options = options_from(options, keywords, opener=open_engine_client)
     if not multiprocess:
         _check_in_process(config)
         inproc = ClientOptions(
@@ -240,6 +260,7 @@ def make_client(
             client.
     """
     config = config if config is not None else EngineConfig()
+    check_option_keywords(keywords, make_client)
     if not multiprocess:
         _check_in_process(config)
         given = sorted(keywords) + (["options"] if options is not None else [])

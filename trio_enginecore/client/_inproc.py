@@ -21,11 +21,17 @@ from .._request_checks import check_request
 from ..config import EngineConfig
 from ..engine import EngineCore, FatalEngineError
 from ..errors import EngineDeadError
-from ..protocol import EngineCoreOutputs, EngineCoreRequest, UtilityOutput, UtilityRequest
+from ..protocol import (
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    UtilityOutput,
+    UtilityRequest,
+)
 from ._client import TrioEngineClient
 from ._core._engines import EngineHandle
 from ._interface import ClientStatistics, EngineCoreClient
-from ._multiprocess._startup import settle_dialects
+from ._multiprocess._startup import EngineDialects
 from ._running import run_client
 from ._transport import ClientLink
 
@@ -67,7 +73,11 @@ class InprocTransport:
     async def start(self, nursery: trio.Nursery, link: ClientLink) -> None:
         engine = EngineHandle.for_rank(self.config.data_parallel_rank)
         engine.ready = self.core.ready_response()
-        settle_dialects([engine])
+        # The keys it would send over a socket, in the release it speaks.
+        engine.ready_keys = frozenset(
+            EngineCoreReadyResponse.__struct_fields__[: self.config.dialect.ready_keys]
+        )
+        EngineDialects().settle([engine])
         link.state.engines[:] = [engine]
         nursery.start_soon(self._engine_loop, link)
         await trio.lowlevel.checkpoint()

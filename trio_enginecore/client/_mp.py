@@ -28,6 +28,7 @@ from ._core._policy import Restart, resolve_policy
 from ._core._router import DataParallelRole
 from ._multiprocess._group import EngineGroup
 from ._multiprocess._pipe import PipeFactory
+from ._multiprocess._vllm import VllmEngines
 from ._multiprocess._zmq_pipe import ZmqPipe
 from ._options import ClientOptionKeywords, ClientOptions, options_from
 from ._running import run_client
@@ -78,6 +79,7 @@ class TrioMPClient(TrioEngineClient):
             input_address=options.input_address,
             output_address=options.output_address,
             remote=options.remote,
+            vllm=options.vllm,
             liveness=options.liveness,
             restart=policy if isinstance(policy, Restart) else None,
             ready_timeout_s=options.ready_timeout_s,
@@ -181,11 +183,18 @@ def new_mp_client(config: EngineConfig, options: ClientOptions) -> TrioMPClient:
     """One engine: a TrioMPClient; several: a DPTrioMPClient owning one of them
     (external load balancing) or a DPLBTrioMPClient balancing over them all.
 
+    With ``options.vllm`` (vLLM's engine cores launched here), the group's shape is
+    ``VllmEngines.data_parallel_size`` and ``config`` must be left as it comes
+    (``EngineConfig()``): the engines' settings are vLLM's arguments.
+
     Raises:
         ValueError: a coordinator for one engine; external load balancing launching
             engines with no coordinator; a non-zero ``client_index`` for engines that
-            join through the handshake; inconsistent addresses.
+            join through the handshake; inconsistent addresses; an ``EngineConfig``
+            given beside ``VllmEngines``.
     """
+    if options.vllm is not None:
+        config = _config_for_vllm(config, options.vllm)
     if options.client_index != 0 and options.input_address is None:
         # The handshake names one output address, the engines' output 0: outputs for
         # any other index would be dropped by the engine, and the client would hang.
@@ -201,6 +210,17 @@ def new_mp_client(config: EngineConfig, options: ClientOptions) -> TrioMPClient:
     return _CLASS_FOR[role.kind](config, options)
 
 
+def _config_for_vllm(config: EngineConfig, vllm: VllmEngines) -> EngineConfig:
+    """The configuration of a group of vLLM engine cores: only its size counts."""
+    if config != EngineConfig():
+        raise ValueError(
+            "vllm= launches vLLM's engine cores, whose settings are vLLM's own "
+            "(VllmEngines.arguments) and whose number is VllmEngines.data_parallel_size: "
+            "give no EngineConfig (it describes the reference engine)"
+        )
+    return config.evolve(data_parallel_size=vllm.data_parallel_size)
+
+
 @asynccontextmanager
 async def open_trio_mp_client(
     config: EngineConfig,
@@ -212,7 +232,7 @@ async def open_trio_mp_client(
     """Open a :class:`TrioMPClient`, or with several engines a :class:`DPTrioMPClient`
     or :class:`DPLBTrioMPClient` (see :func:`trio_enginecore.open_engine_client`):
     ``options``, or the :class:`ClientOptions` these keywords make."""
-    client = new_mp_client(config, options_from(options, keywords))
+    client = new_mp_client(config, options_from(options, keywords, opener=open_trio_mp_client))
     async with run_client(client, cancel_on_failure=cancel_on_failure) as running:
         yield running
 
@@ -239,7 +259,8 @@ async def connect_engine_client(
         ValueError, TypeError: bad options; nothing was started.
     """
     client = new_mp_client(
-        config if config is not None else EngineConfig(), options_from(options, keywords)
+        config if config is not None else EngineConfig(),
+        options_from(options, keywords, opener=connect_engine_client),
     )
     try:
         await client.start(nursery)

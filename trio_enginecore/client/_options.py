@@ -8,10 +8,12 @@ them) needs only the options.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, Final, TypedDict, final
 
 import attrs
 
+from .._keywords import check_keywords, known_keywords, suggest_keywords
 from .._listeners import ListenerFd
 from ..coordinator import CoordinatorAddresses
 from ._core._lb import LoadBalancer
@@ -19,12 +21,14 @@ from ._core._liveness_rules import DEFAULT_LIVENESS, Liveness
 from ._core._policy import FailurePolicy, resolve_policy
 from ._core._settings_checks import positive_number
 from ._multiprocess._remote import RemoteEngines
+from ._multiprocess._vllm import VllmEngines
 
 __all__ = [
     "ClientOptionKeywords",
     "ClientOptions",
     "FailurePolicy",
     "InprocOptionKeywords",
+    "check_option_keywords",
     "options_from",
 ]
 
@@ -39,6 +43,7 @@ _positive: Final = positive_number(None)
 
 
 @final
+@suggest_keywords
 @attrs.frozen(kw_only=True)
 class ClientOptions:
     """The options of a multiprocess client (see
@@ -51,6 +56,7 @@ class ClientOptions:
     input_address: str | ListenerFd | None = None
     output_address: str | ListenerFd | None = None
     remote: RemoteEngines | None = None
+    vllm: VllmEngines | None = None
     liveness: Liveness | None = DEFAULT_LIVENESS
     coordinator: CoordinatorAddresses | None = None
     load_balancer: LoadBalancer | None = None
@@ -68,6 +74,7 @@ class ClientOptionKeywords(TypedDict, total=False):
     input_address: str | ListenerFd | None
     output_address: str | ListenerFd | None
     remote: RemoteEngines | None
+    vllm: VllmEngines | None
     liveness: Liveness | None
     coordinator: CoordinatorAddresses | None
     load_balancer: LoadBalancer | None
@@ -86,15 +93,40 @@ class InprocOptionKeywords(TypedDict, total=False):
     client_index: int
 
 
-def options_from(options: ClientOptions | None, keywords: ClientOptionKeywords) -> ClientOptions:
+_OPTION_NAMES: Final = frozenset(field.name for field in attrs.fields(ClientOptions))
+
+
+def options_from(
+    options: ClientOptions | None,
+    keywords: ClientOptionKeywords,
+    *,
+    opener: Callable[..., object] | None = None,
+) -> ClientOptions:
     """``options``, or the :class:`ClientOptions` the keywords make (never both).
 
+    ``opener`` is the function (or class) the keywords were given to: an unknown one
+    is reported as its own, with the nearest of its keywords and the options.
+
     Raises:
-        TypeError: both were given, or a keyword is not an option.
+        TypeError: both were given, or a keyword is not an option (the message names
+            the nearest one).
         ValueError: an option's value is out of range.
     """
     if options is None:
+        if opener is not None:
+            check_option_keywords(keywords, opener)
         return ClientOptions(**keywords)
     if keywords:
         raise TypeError(f"give options or keywords, not both (got {sorted(keywords)})")
     return options
+
+
+def check_option_keywords(keywords: Mapping[str, object], opener: Callable[..., object]) -> None:
+    """Refuse a keyword given to ``opener`` that is neither an option nor one of its own
+    parameters, naming the nearest of those (``did you mean 'on_engine_failure'?``).
+
+    Raises:
+        TypeError: an unknown keyword.
+    """
+    if not keywords.keys() <= _OPTION_NAMES:
+        check_keywords(opener.__name__, keywords, _OPTION_NAMES | known_keywords(opener))

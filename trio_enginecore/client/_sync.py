@@ -92,7 +92,7 @@ class SyncMPClient(EngineCoreClient):
     ) -> None:
         self.config = config if config is not None else EngineConfig()
         # Checked here, in the caller's thread, before a thread or a loop exists.
-        self.options = options_from(options, keywords)
+        self.options = options_from(options, keywords, opener=SyncMPClient)
         self._cancel_on_failure = cancel_on_failure
         self._portal = Portal()
         self._reader = Reader(

@@ -41,7 +41,6 @@ from zmq.utils.monitor import parse_monitor_message
 from .._curve import CurveClient
 from .._zmq import Frames, SendablePart, TrioSocket
 from ..config import EngineConfig
-from ..dialects import choose_dialect
 from ..errors import EngineStartupError, ProtocolError
 from ..protocol import (
     COORDINATOR_READY,
@@ -226,9 +225,10 @@ class EngineCoreProc:
         self.config = config
         self.core = core if core is not None else EngineCore(config)
         self._encoder = MsgpackEncoder()
-        # The release the engine presents itself as decides the form of what it
+        # The release the engine speaks (the one it presents itself as, or for a
+        # version that names none, wire_release's) decides the form of what it
         # writes; it reads requests of every release.
-        self._dialect = choose_dialect(config.vllm_version).dialect
+        self._dialect = config.dialect
         self._intake = RequestIntake(self.core, EngineWaveState(config.data_parallel_rank))
         self.waves = self._intake.waves
         self._links = FrontendLinks(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Unpack, final
 import trio
 
 from ..client import AsyncEngineCoreClient, RequestStream, open_engine_client
+from ..client._options import check_option_keywords
 from ..config import EngineConfig
 from ..errors import EngineCoreError, InvalidInputError
 from ..protocol import LoRARequest, RequestOutputKind, SamplingKeywords, SamplingParams
@@ -381,10 +382,12 @@ async def open_llm(
     With no arguments it launches the built-in reference engine's ``ngram`` model and
     uses the tokenizer shipped for it, so it writes English text on a laptop. Otherwise
     ``config``, ``options`` and the keywords are those of
-    :func:`~trio_enginecore.open_engine_client` (launch reference engines, or attach
-    to vLLM engine cores with ``input_address``/``output_address``, or ``engines=``
-    remote or Ray ones), and ``tokenizer`` is the model's tokenizer or the path of its
-    model directory (read before anything is launched).
+    :func:`~trio_enginecore.open_engine_client` (launch reference engines, or launch
+    vLLM's engine cores with ``vllm=``, or attach to vLLM engine cores with
+    ``input_address``/``output_address``, or have engines on other hosts join with
+    ``remote=``), and ``tokenizer`` is the model's tokenizer or the path of its model
+    directory (read before anything is launched; with ``vllm=``, by default, the
+    directory vLLM serves).
 
     Leaving the block closes the client as :func:`~trio_enginecore.open_engine_client`
     does: in-flight requests aborted, launched engines stopped.
@@ -393,10 +396,16 @@ async def open_llm(
         ModelDirectoryError: the tokenizer's directory cannot be used (nothing started).
         InvalidInputError: a built-in model other than ``ngram`` without a tokenizer.
         EngineStartupError: as :func:`~trio_enginecore.open_engine_client`.
+        TypeError: a keyword that is not an option (nothing started).
     """
-    if config is None:
+    check_option_keywords(keywords, open_llm)
+    vllm = options.vllm if options is not None else keywords.get("vllm")
+    if config is None and vllm is None:
         config = EngineConfig(model="ngram")
+    if tokenizer is None and vllm is not None:
+        tokenizer = vllm.model  # the model directory vLLM serves holds its tokenizer
     if tokenizer is None:
+        assert config is not None
         if config.model != "ngram":
             raise InvalidInputError(
                 "tokenizer",

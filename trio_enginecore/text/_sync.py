@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, Unpack, final
 
 from ..client import SyncMPClient, SyncRequestStream
+from ..client._options import check_option_keywords
 from ..config import EngineConfig
 from ..errors import InvalidInputError
 from ..protocol import LoRARequest, SamplingKeywords, SamplingParams
@@ -47,6 +48,7 @@ class SyncLLM:
         ModelDirectoryError, InvalidInputError: the tokenizer cannot be used (nothing
             started).
         EngineStartupError: as :class:`~trio_enginecore.SyncMPClient`.
+        TypeError: a keyword that is not an option (nothing started).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class SyncLLM:
         max_model_len: int | None = None,
         **keywords: Unpack[ClientOptionKeywords],
     ) -> None:
+        check_option_keywords(keywords, SyncLLM)
         if client is None and config is None:
             config = EngineConfig(model="ngram")
         if tokenizer is None:

@@ -92,6 +92,25 @@ def vllm_config(model_dir: str, *, headless: bool = False, **overrides: Any) -> 
     )
 
 
+ANNOUNCE_VERSION_VARIABLE = "TRIO_ENGINECORE_ANNOUNCE_VERSION"
+"""The version vLLM's engine core announces in its ready message, if set (a launcher's
+``--announce-version``), instead of its own."""
+
+
+def announce_version_from_environment() -> None:
+    """Make vLLM's engine core announce ``$TRIO_ENGINECORE_ANNOUNCE_VERSION`` in its
+    ready message, as vLLM run from a source tree announces ``"dev"`` (its
+    ``vllm/version.py`` falls back to it). The engine core reads the version from
+    ``vllm.v1.engine.core.VLLM_VERSION``, bound from ``vllm.version.__version__``
+    when it is imported: that binding is replaced, in each process that imports the
+    executor (``fake_executor`` calls this), so a spawned engine process does too."""
+    version = os.environ.get(ANNOUNCE_VERSION_VARIABLE)
+    if version:
+        import vllm.v1.engine.core
+
+        vllm.v1.engine.core.VLLM_VERSION = version
+
+
 def exit_with_parent() -> None:
     """SIGTERM this process when the one that started it (the test) is gone, so that
     nothing of vLLM's outlives a test run that was killed: a launcher's own handler

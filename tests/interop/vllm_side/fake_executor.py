@@ -27,7 +27,9 @@ What differs between the releases is found by feature, not by version: 0.34's
 resumed after preemption as a new one whose ``prefill_token_ids`` holds the prompt and
 the tokens generated so far (0.33 sent it among the cached ones, whose tokens this
 executor still has). Importing this module answers vLLM 0.34's Triton check
-(``triton_check.py``), in every process that builds or unpickles the executor.
+(``triton_check.py``), and makes the engine core announce the version a launcher was
+given with ``--announce-version`` (``common.announce_version_from_environment``), in
+every process that builds or unpickles the executor.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from common import announce_version_from_environment
 from triton_check import answer_triton_check
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -48,6 +51,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
 answer_triton_check()  # before any config is built or re-checked in this process
+announce_version_from_environment()  # a launcher's --announce-version, in every process
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096

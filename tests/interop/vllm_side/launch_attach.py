@@ -15,6 +15,7 @@ any) once every engine is READY, and ``@{"event": "stopped", ...}`` at the end.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import exit_with_parent, say, vllm_config, write_model
+from common import ANNOUNCE_VERSION_VARIABLE, exit_with_parent, say, vllm_config, write_model
 
 
 def main() -> int:
@@ -33,9 +34,17 @@ def main() -> int:
     parser.add_argument(
         "--model-dir", help="serve this model directory (its config.json) instead of --model"
     )
+    parser.add_argument(
+        "--announce-version",
+        help="the version the engine core announces in its ready message instead of "
+        'vLLM\'s own ("dev", as vLLM run from a source tree)',
+    )
     parser.add_argument("--data-parallel-size", type=int, default=1)
     args = parser.parse_args()
     exit_with_parent()
+    if args.announce_version:
+        # Read where the executor is imported, here and in each engine process.
+        os.environ[ANNOUNCE_VERSION_VARIABLE] = args.announce_version
 
     from fake_executor import CounterExecutor
     from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines

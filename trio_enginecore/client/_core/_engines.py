@@ -65,6 +65,9 @@ class EngineHandle:
     """The process id of an engine this client launched (set by the launcher), for
     the messages; None for an engine started elsewhere."""
     ready: EngineCoreReadyResponse | None = None
+    ready_keys: frozenset[str] | None = None
+    """The keys its ready message had (the decoded ``ready`` fills in the others):
+    what tells its release when its version names none (``"dev"``)."""
     dialect: Dialect = OLDEST
     """The wire form this engine's vLLM release reads, from its ready message (the
     oldest supported until one says otherwise)."""
@@ -108,6 +111,7 @@ class EngineHandle:
         message), before another is started for the same rank."""
         self.pid = None
         self.ready = None
+        self.ready_keys = None
 
     def death_notice(self, message: str, *, retryable: bool) -> DeathNotice:
         """What an ``EngineDeadError`` blaming this engine says."""
@@ -134,4 +138,5 @@ class EngineHandle:
             restarts=self.restarts,
             location=self.location,
             suspicion=self.suspicion if self.state == "suspect" else None,
+            pid=self.pid,
         )

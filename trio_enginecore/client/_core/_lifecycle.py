@@ -152,10 +152,10 @@ class EngineLifecycle:
             state.failure = message if first else f"no engine is left: {message}"
             state.failure_notice = engine.death_notice(state.failure, retryable=False)
             state.ended.set()
-        elif not whole and not in_service:
+        elif not whole and not in_service and not engine.restarting:
+            # A restart is logged once, by what restarts the engine (with its delay).
             serving = [e.rank for e in state.engines if e.alive]
-            what = "restarting" if engine.restarting else "routing around"
-            logger.warning("%s %s; engine(s) %s in service", what, engine.describe(), serving)
+            logger.warning("routing around %s; engine(s) %s in service", engine.describe(), serving)
         # Sending again is worth it while an engine is (or will be) in service.
         notice = engine.death_notice(message, retryable=not whole)
         orphans: list[EngineCoreOutput] = []

@@ -8,7 +8,8 @@ Two questions, answered separately (the tasks asking them are in :mod:`._livenes
   heartbeats (ZMTP 3.1 PING/PONG, which libzmq's I/O thread answers in the engine,
   vLLM's included, whatever its Python code is doing). A connection that closes, or
   whose heartbeats go unanswered, is reported by the input socket's monitor; the
-  :class:`ConnectionTable` says whose it was.
+  :class:`ConnectionTable` says whose it was, and which new connections may be the
+  same engine's (a TCP connection reset by the network and made again by libzmq).
 * **Is it making progress?** Deadlocked, a collective that never completes, a stuck
   device: process and sockets alive, the busy loop not. While an engine has work from
   this client (requests in flight, or the client's own liveness call outstanding), a
@@ -18,10 +19,12 @@ Two questions, answered separately (the tasks asking them are in :mod:`._livenes
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Final, final
 
 import attrs
 
+from ..._keywords import suggest_keywords
 from ._settings_checks import positive_number
 
 __all__ = [
@@ -29,12 +32,15 @@ __all__ = [
     "RECONNECT_GRACE_S",
     "ConnectionTable",
     "Liveness",
+    "Peer",
     "ProgressClock",
 ]
 
 RECONNECT_GRACE_S: Final = 0.5
-"""How long an engine whose connection closed has to show life on a new one (libzmq
-reconnects 100 ms after a loss) before it is declared dead."""
+"""How long an engine whose connection closed has to show it can be reached again, or
+to make a new connection from where the lost one came (libzmq reconnects 100 ms after
+a loss), before it is declared dead; one that made one has until it answers (see
+:class:`ConnectionTable`)."""
 
 _MAX_PING_INTERVAL_S: Final = 5.0
 _positive: Final = positive_number("Liveness")
@@ -42,6 +48,7 @@ _positive_or_none: Final = positive_number("Liveness", optional=True)
 
 
 @final
+@suggest_keywords
 @attrs.frozen(kw_only=True)
 class Liveness:
     """How a client notices that an engine died, stopped, or hung.
@@ -109,18 +116,40 @@ DEFAULT_LIVENESS: Final = Liveness()
 """What a client checks unless told otherwise."""
 
 
+Peer = Hashable
+"""Where a connection comes from, as the client can tell: the peer's host for TCP, its
+process for a Unix-domain socket (see ``_liveness.peer_of``)."""
+
+
 @final
 class _Connection:
-    __slots__ = ("fd", "owner")
+    __slots__ = ("fd", "owner", "peer", "seq")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, peer: Peer | None, seq: int) -> None:
         self.fd = fd
+        self.peer = peer
+        self.seq = seq
         self.owner: bytes | None = None
 
 
 @final
+class _Adrift:
+    """An engine in service whose connection was lost, and that has claimed no other."""
+
+    __slots__ = ("confirmed", "peer", "since")
+
+    def __init__(self, peer: Peer | None, since: int) -> None:
+        self.peer = peer
+        self.since = since
+        """Connections accepted after this one (in the table's order) may be its own."""
+        self.confirmed = False
+        """It answered a call sent since it was last put at risk: it has a connection."""
+
+
+@final
 class ConnectionTable:
-    """Which engine each connection of the client's input ROUTER belongs to.
+    """Which engine each connection of the client's input ROUTER belongs to, and which
+    connections an engine that lost its own may have made since.
 
     The socket monitor reports connections by file descriptor (``accepted``,
     ``disconnected``), and says nothing of whose they are; a message received on the
@@ -130,52 +159,165 @@ class ConnectionTable:
     descriptor is reused once closed: events must be applied in the monitor's order,
     and every event queued before a claimed message applied before the claim (then the
     claim binds to the connection the message came on).
+
+    An engine whose connection closes is *adrift* until it claims another. libzmq
+    reconnects an engine's DEALER by itself, with the same identity, and a vLLM engine
+    sends nothing on the new connection: nothing says whose it is. What can be known:
+    where it comes from (its :data:`Peer`), and that it was accepted after the loss
+    (before it, the ROUTER still held the engine's identity and would have ignored a
+    second connection carrying it). A connection that no engine claimed, from the
+    adrift engine's peer, accepted after its loss, *may be its own*; an engine that
+    answers a call sent after the loss has one (the ROUTER routes by identity), and if
+    only one connection may be its own, that is it: it is placed there, and watched
+    there as on its first. An adrift engine is *gone* when it cannot have a connection:
+    none may be its own that is not needed by the adrift engines that answered (several
+    engines on one host reconnecting together share their candidates).
     """
 
     def __init__(self) -> None:
         self._open: dict[int, _Connection] = {}
         self._current: dict[bytes, _Connection] = {}
-        self._closed: set[int] = set()
+        self._closed: dict[int, tuple[Peer | None, int]] = {}
+        self._adrift: dict[bytes, _Adrift] = {}
+        self._seq = 0
 
-    def accepted(self, fd: int) -> None:
-        """A connection was made on descriptor ``fd``."""
-        self._closed.discard(fd)
-        self._open[fd] = _Connection(fd)
+    def accepted(self, fd: int, peer: Peer | None = None) -> None:
+        """A connection from ``peer`` (None: unknown) was made on descriptor ``fd``."""
+        self._seq += 1
+        self._closed.pop(fd, None)
+        self._open[fd] = _Connection(fd, peer, self._seq)
 
-    def disconnected(self, fd: int) -> bytes | None:
-        """The connection on ``fd`` closed: the identity of the engine whose current
-        connection it was, or None (unclaimed, or an engine's former connection)."""
-        self._closed.add(fd)
+    def disconnected(self, fd: int) -> list[bytes]:
+        """The connection on ``fd`` closed: the identities of the engines this puts at
+        risk. The engine whose current connection it was (not an engine's former
+        connection), now adrift; or, for a connection nobody claimed, every adrift
+        engine it may have belonged to, which must answer again."""
         connection = self._open.pop(fd, None)
-        if connection is None or connection.owner is None:
-            return None
-        if self._current.get(connection.owner) is not connection:
-            return None
-        del self._current[connection.owner]
-        return connection.owner
+        self._closed[fd] = (connection.peer if connection is not None else None, self._seq)
+        if connection is None:
+            return []
+        owner = connection.owner
+        if owner is not None:
+            if self._current.get(owner) is not connection:
+                return []
+            del self._current[owner]
+            self._adrift[owner] = _Adrift(connection.peer, self._seq)
+            return [owner]
+        at_risk = [
+            identity
+            for identity, adrift in self._adrift.items()
+            if _may_be_its_own(connection, adrift)
+        ]
+        for identity in at_risk:
+            self._adrift[identity].confirmed = False
+        return at_risk
 
-    def claim(self, fd: int, identity: bytes) -> bool:
+    def claim(self, fd: int, identity: bytes, peer: Peer | None = None) -> bool:
         """A message from ``identity`` came on descriptor ``fd``: that connection is
         now the engine's current one. False if it is closed already (the engine's
-        connection was lost right after the message). A descriptor never seen is a
-        connection whose ``accepted`` event the monitor dropped (its queue is
-        bounded): it is taken as open, not as lost."""
-        if fd in self._closed:
+        connection was lost right after the message: it is adrift). A descriptor never
+        seen is a connection whose ``accepted`` event the monitor dropped (its queue is
+        bounded): it is taken as open, from ``peer``, not as lost."""
+        closed = self._closed.get(fd)
+        if closed is not None:
+            self._current.pop(identity, None)
+            self._adrift[identity] = _Adrift(*closed)
             return False
         connection = self._open.get(fd)
         if connection is None:
-            connection = self._open[fd] = _Connection(fd)
-        connection.owner = identity
-        self._current[identity] = connection
+            self.accepted(fd, peer)
+            connection = self._open[fd]
+        self._place(identity, connection)
         return True
+
+    def confirm(self, identity: bytes) -> None:
+        """An adrift engine answered a call sent since it was last put at risk: it has
+        a connection. If only one connection may be its own, that is its current one."""
+        adrift = self._adrift.get(identity)
+        if adrift is not None:
+            adrift.confirmed = True
+            self._settle()
+
+    def forget(self, identity: bytes) -> None:
+        """The engine is out of service: it is nobody's candidate any more."""
+        self._adrift.pop(identity, None)
 
     def connected(self, identity: bytes) -> bool:
         """Whether the engine has a current connection."""
         return identity in self._current
 
+    def candidates(self, identity: bytes) -> list[int]:
+        """The descriptors of the connections that may be the adrift engine's own."""
+        if identity not in self._adrift:
+            return []
+        return [connection.fd for connection in self._options(identity)]
+
+    def gone(self, identity: bytes) -> bool:
+        """Whether the adrift engine cannot have a connection: no connection may be its
+        own, or every one that may is needed by the adrift engines that answered (it
+        cannot be added to a largest matching of those engines to distinct connections
+        each may own). False for an engine that is not adrift."""
+        if identity not in self._adrift:
+            return False
+        answered = [other for other, a in self._adrift.items() if a.confirmed and other != identity]
+        return _largest_matching([*answered, identity], self._options) == _largest_matching(
+            answered, self._options
+        )
+
     def __len__(self) -> int:
         """Open connections (claimed or not)."""
         return len(self._open)
+
+    def _options(self, identity: bytes) -> list[_Connection]:
+        adrift = self._adrift[identity]
+        return [c for c in self._open.values() if _may_be_its_own(c, adrift)]
+
+    def _place(self, identity: bytes, connection: _Connection) -> None:
+        connection.owner = identity
+        self._current[identity] = connection
+        self._adrift.pop(identity, None)
+        self._settle()
+
+    def _settle(self) -> None:
+        # An engine that answered, with one connection that may be its own, is placed
+        # there; that connection is then nobody else's candidate, which may leave
+        # another with one. An engine that answered with none (its connection came
+        # from elsewhere, or from where nothing could tell) stays adrift.
+        for identity, adrift in self._adrift.items():
+            if adrift.confirmed:
+                options = self._options(identity)
+                if len(options) == 1:
+                    self._place(identity, options[0])
+                    return
+
+
+def _may_be_its_own(connection: _Connection, adrift: _Adrift) -> bool:
+    return (
+        connection.owner is None
+        and adrift.peer is not None
+        and connection.peer == adrift.peer
+        and connection.seq > adrift.since
+    )
+
+
+def _largest_matching(engines: list[bytes], options: Callable[[bytes], list[_Connection]]) -> int:
+    """The size of a largest matching of ``engines`` to distinct connections among
+    their options (augmenting paths: a handful of engines and connections)."""
+    holder: dict[int, bytes] = {}
+    choices = {identity: options(identity) for identity in engines}
+
+    def augment(identity: bytes, seen: set[int]) -> bool:
+        for connection in choices[identity]:
+            if connection.fd in seen:
+                continue
+            seen.add(connection.fd)
+            other = holder.get(connection.fd)
+            if other is None or augment(other, seen):
+                holder[connection.fd] = identity
+                return True
+        return False
+
+    return sum(1 for identity in engines if augment(identity, set()))
 
 
 @final

@@ -20,6 +20,7 @@ from typing import Any, Final, Literal, TypeAlias, final
 
 import attrs
 
+from ..._keywords import suggest_keywords
 from ._settings_checks import positive_number
 
 __all__ = [
@@ -79,6 +80,7 @@ class RouteAround:
 
 
 @final
+@suggest_keywords
 @attrs.frozen(kw_only=True)
 class Restart:
     """Restart engines that die or hang (``on_engine_failure=Restart(...)``, or
@@ -170,12 +172,18 @@ class RestartBudget:
     def next_delay(self, now: float) -> float | None:
         """How long to wait before restarting at ``now``; None when the budget of the
         window is spent. The restart is counted (at ``now`` plus the delay)."""
+        delay = self.peek_delay(now)
+        if delay is not None:
+            self._times.append(now + delay)
+        return delay
+
+    def peek_delay(self, now: float) -> float | None:
+        """What :meth:`next_delay` would answer at ``now``, counting nothing (to
+        announce a restart when the engine dies, before its turn comes)."""
         policy = self._policy
         times = self._times
         while times and times[0] <= now - policy.window_s:
             times.popleft()
         if len(times) >= policy.max_restarts:
             return None
-        delay = min(policy.backoff_s * 2.0 ** len(times), policy.max_backoff_s)
-        times.append(now + delay)
-        return delay
+        return min(policy.backoff_s * 2.0 ** len(times), policy.max_backoff_s)

@@ -38,6 +38,10 @@ class EngineStatus:
     may move it), else None."""
     suspicion: str | None = None
     """Why it is ``"suspect"``, or None."""
+    pid: int | None = None
+    """The process the client launched for it (for vLLM's engine cores, the
+    ``vllm serve --headless`` launcher, which leads their process group; a restart
+    changes it), else None."""
 
 
 @final

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Final, final
 
+import msgspec
 import trio
 import zmq
 
@@ -43,13 +44,14 @@ from .._core._router import DataParallelRole
 from .._transport import ClientLink
 from ._control import ControlPlane
 from ._following import CoordinatorFollower
-from ._launch import LaunchedProcesses
+from ._launch import EngineLauncher, LaunchedProcesses, ReferenceLauncher, VllmLauncher
 from ._liveness import EngineWatches
 from ._pipe import MessagePipe, PipeFactory
 from ._remote import RemoteEngines
 from ._startup import StartupProgress, group_hint, handshake_metadata
 from ._supervision import EngineSupervisor, ProcessRelaunch, RelaunchByRank, RemoteRelaunch
 from ._topology import CoordinatorSource, Topology, plan_topology
+from ._vllm import VllmEngines
 
 __all__ = ["EngineGroup"]
 
@@ -70,6 +72,7 @@ class EngineGroup:
         pipe: makes the data path when the group starts (``ZmqPipe``).
         input_address, output_address: attach to engines started elsewhere.
         remote: engines that join over TCP from other hosts.
+        vllm: launch vLLM's engine cores instead of the reference engine.
         liveness: how deaths and hangs are noticed (None: a launched engine's exit
             only).
         restart: restart engines that die (the ``restart`` policy): launched ones,
@@ -91,6 +94,7 @@ class EngineGroup:
         input_address: str | ListenerFd | None = None,
         output_address: str | ListenerFd | None = None,
         remote: RemoteEngines | None = None,
+        vllm: VllmEngines | None = None,
         liveness: Liveness | None = None,
         restart: Restart | None = None,
         ready_timeout_s: float = 60.0,
@@ -99,6 +103,7 @@ class EngineGroup:
         self.config = config
         self.restart = restart
         self.remote = remote
+        self.vllm = vllm
         self.ready_timeout_s = ready_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.topology: Topology = plan_topology(
@@ -106,12 +111,14 @@ class EngineGroup:
             input_address=input_address,
             output_address=output_address,
             remote=remote,
+            vllm=vllm,
             liveness=liveness,
         )
         self.coordinator: CoordinatorAddresses | None = role.coordinator
         self.control = ControlPlane(self.topology, remote)
         self.refusals = self.control.refusals
-        self.processes = LaunchedProcesses()
+        launcher: EngineLauncher = ReferenceLauncher(config) if vllm is None else VllmLauncher(vllm)
+        self.processes = LaunchedProcesses(launcher)
         self._make_pipe = pipe
         self._encoder = MsgpackEncoder()
         # Made by start(): a client that is built and never started holds nothing.
@@ -181,7 +188,8 @@ class EngineGroup:
         )
         self._serve(nursery, link, progress, metadata, local_arguments)
         if topology.launched:
-            logger.info("client ready: %d engine(s) serving %r", len(engines), self.config.model)
+            serves = self.processes.launcher.serves
+            logger.info("client ready: %d engine(s) serving %s", len(engines), serves)
         else:  # what engines started elsewhere serve is theirs to say, not our config's
             logger.info("client ready: %d engine(s) started elsewhere", len(engines))
 
@@ -260,6 +268,9 @@ class EngineGroup:
             answer = handshake_metadata(
                 self.config, self.remote, self.coordinator, progress.input_address, output_address
             )
+            if self.vllm is not None:
+                group = self.vllm.group_parallel_config(self.config.data_parallel_size)
+                answer = msgspec.structs.replace(answer, parallel_config=group)
             metadata = self._encoder.encode(answer)
             await progress.handshake(handshake, metadata)
         assert self._watches is not None
@@ -309,6 +320,7 @@ class EngineGroup:
             back_in_service=watches.keep_asking,
             ready_timeout_s=self.ready_timeout_s,
             came_on=watches.came_on,
+            dialects=progress.dialects,
         )
         nursery.start_soon(self._supervisor.run)
 
@@ -333,7 +345,6 @@ class EngineGroup:
         assert self._watches is not None
         await self.processes.launch(
             engine,
-            self.config,
             connectable(handshake_address),
             nursery,
             extra_arguments=extra_arguments,

@@ -6,29 +6,42 @@ and a :class:`LaunchedProcess` for what the client holds of its process: the
 ``trio.Process``, the tail of its stderr (relayed to logging, line by line, at the
 engine's own levels) and the write end of its *lifeline* pipe, which stops the engine
 however the client ends. :class:`LaunchedProcesses` are an engine group's, by rank.
+
+What is launched is a launcher's to say: :class:`ReferenceLauncher` starts the
+reference engine (``trio-enginecore serve``, one process), :class:`VllmLauncher`
+vLLM's own engine core (``vllm serve --headless``: a launcher process and its
+engine-core child, reached as one process group; see :mod:`._vllm`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import logging
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
-from typing import Final, final
+from collections.abc import Callable, Sequence
+from typing import Final, Protocol, final
 
 import attrs
 import trio
 
 from ...config import EngineConfig, engine_flags
+from ...errors import EngineStartupError
 from .._core._engines import EngineHandle
+from ._vllm import VllmEngines, parse_vllm_line, vllm_error_line, vllm_not_found
 
 __all__ = [
     "STDERR_TAIL_LINES",
+    "EngineLauncher",
+    "LaunchCommand",
     "LaunchedProcess",
     "LaunchedProcesses",
+    "ReferenceLauncher",
+    "VllmLauncher",
     "arm_lifeline",
     "engine_command",
     "engine_log_level",
@@ -132,6 +145,93 @@ def parse_relayed_line(line: str, previous: int | None) -> tuple[int, str]:
 
 
 @final
+@attrs.frozen
+class LaunchCommand:
+    """How to start one engine process, as a launcher says."""
+
+    argv: list[str]
+    env: dict[str, str]
+    process_group: bool = False
+    """The engine is a tree of processes (vLLM's launcher and its engine core): the
+    lifeline's signal and the kills reach its whole process group."""
+    parse_line: Callable[[str, int | None], tuple[int, str]] = parse_relayed_line
+    """The level and message of one of its stderr lines."""
+    launcher_name: str | None = None
+    """What the process started is, when it is not the engine itself (for the
+    messages: "its vLLM launcher ... exited with code 0")."""
+    error_line: Callable[[Sequence[str]], str | None] | None = None
+    """Finds, in its last stderr lines, the one that says why it failed."""
+
+
+class EngineLauncher(Protocol):
+    """What an engine group launches for each of its ranks."""
+
+    def command(self, rank: int, handshake_address: str, lifeline_fd: int) -> LaunchCommand:
+        """The command starting rank ``rank``'s engine, saying HELLO at
+        ``handshake_address``, with the lifeline's read end at ``lifeline_fd``."""
+        ...
+
+    def not_started(self, argv: Sequence[str], error: OSError) -> Exception:
+        """The error for a command that could not be run at all."""
+        ...
+
+    @property
+    def serves(self) -> str:
+        """What the engines serve, for the client's "ready" log line."""
+        ...
+
+
+@final
+@attrs.frozen
+class ReferenceLauncher:
+    """Launches the reference engine of ``config`` (``trio-enginecore serve``), each rank
+    with its own ``data_parallel_rank``."""
+
+    config: EngineConfig
+
+    def command(self, rank: int, handshake_address: str, lifeline_fd: int) -> LaunchCommand:
+        argv = engine_command(
+            self.config.evolve(data_parallel_rank=rank), handshake_address, lifeline_fd=lifeline_fd
+        )
+        return LaunchCommand(argv, {**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def not_started(self, argv: Sequence[str], error: OSError) -> Exception:
+        return error
+
+    @property
+    def serves(self) -> str:
+        return repr(self.config.model)
+
+
+@final
+@attrs.frozen
+class VllmLauncher:
+    """Launches vLLM's engine cores (``vllm serve --headless``; see :mod:`._vllm`)."""
+
+    vllm: VllmEngines
+
+    def command(self, rank: int, handshake_address: str, lifeline_fd: int) -> LaunchCommand:
+        # vLLM does not know the lifeline: its pipe's read end is only held open by the
+        # launcher (pass_fds), and the kernel's SIGIO (default action: terminate) ends
+        # the whole process group when the client is gone.
+        return LaunchCommand(
+            self.vllm.serve_command(rank, handshake_address),
+            self.vllm.environment(rank, engine_log_level(rank)),
+            process_group=True,
+            parse_line=parse_vllm_line,
+            launcher_name="its vLLM launcher (vllm serve --headless)",
+            error_line=vllm_error_line,
+        )
+
+    def not_started(self, argv: Sequence[str], error: OSError) -> Exception:
+        return EngineStartupError(vllm_not_found(argv, error))
+
+    @property
+    def serves(self) -> str:
+        return f"{self.vllm.model!r} (vLLM)"
+
+
+@final
 @attrs.define(eq=False)
 class LaunchedProcess:
     """What the client holds of one engine process it launched."""
@@ -139,6 +239,8 @@ class LaunchedProcess:
     process: trio.Process
     lifeline: int | None = None
     """The write end of the engine's lifeline pipe, while the client holds it."""
+    how: LaunchCommand | None = None
+    """How it was started (``None``: a reference engine's plain process)."""
     stderr_tail: collections.deque[str] = attrs.field(
         factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES)
     )
@@ -149,13 +251,41 @@ class LaunchedProcess:
     def exited(self) -> bool:
         return self.process.returncode is not None
 
+    @property
+    def process_group(self) -> bool:
+        """Whether the engine is the process group its process leads."""
+        return self.how is not None and self.how.process_group
+
     def kill_if_running(self) -> bool:
         """Kill the process if it still runs (a hung or stopped engine holds memory and
-        devices until it goes); whether it did."""
+        devices until it goes), with its process group if the engine is one; whether
+        it did."""
         if self.process.returncode is None:
+            if self.process_group:
+                _kill_group(self.process.pid, signal.SIGKILL)
             self.process.kill()
             return True
+        self.kill_stragglers()
         return False
+
+    def kill_stragglers(self) -> None:
+        """Kill what is left of the engine's process group once its leader has exited
+        (an engine core whose launcher was killed): nothing of an engine outlives it.
+        Not for single-process engines."""
+        if self.process_group:
+            _kill_group(self.process.pid, signal.SIGKILL)
+
+    def terminate(self) -> None:
+        """Ask the engine to stop (SIGTERM to its process: vLLM's launcher then stops
+        its engine core itself)."""
+        self.process.terminate()
+
+    def error_line(self) -> str | None:
+        """The line of its last stderr lines that says why it failed, if its launcher
+        knows how to find one."""
+        if self.how is None or self.how.error_line is None:
+            return None
+        return self.how.error_line(list(self.stderr_tail))
 
     def close_lifeline(self) -> None:
         """Close the write end of the lifeline pipe (idempotent): the engine, if it
@@ -184,9 +314,15 @@ def exit_description(
     if launched is not None:
         code = launched.process.returncode
         if code is not None:
-            parts.append(
-                f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-            )
+            ended = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+            if launched.how is not None and launched.how.launcher_name is not None:
+                # vLLM's launcher exits (code 0) when its engine core ends, however the
+                # engine core ended: the engine's own last lines say more.
+                ended = f"{launched.how.launcher_name} {ended}"
+            parts.append(ended)
+        said = launched.error_line()
+        if said is not None:
+            parts.append(f"it said: {said}")
         if with_stderr and launched.stderr_tail:
             parts.append("last stderr lines:\n  " + "\n  ".join(launched.stderr_tail))
     return "; ".join(parts)
@@ -201,7 +337,8 @@ class LaunchedProcesses:
     when its process starts, for the messages that name it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, launcher: EngineLauncher) -> None:
+        self.launcher = launcher
         self._by_rank: dict[int, LaunchedProcess] = {}
 
     def get(self, engine: EngineHandle) -> LaunchedProcess | None:
@@ -225,30 +362,26 @@ class LaunchedProcesses:
     async def launch(
         self,
         engine: EngineHandle,
-        config: EngineConfig,
         handshake_address: str,
         nursery: trio.Nursery,
         *,
         extra_arguments: Sequence[str] = (),
     ) -> LaunchedProcess:
-        """Launch the reference engine of ``engine.rank`` (``config`` with that rank),
-        pointed at ``handshake_address``, with a lifeline: it stops by itself once
-        this process is gone, however this process dies (the pipe's write end, kept
-        until :meth:`stop` or a restart closes it, closes then). Its stderr is read
-        by a task in ``nursery``.
+        """Launch the engine of ``engine.rank`` (as the launcher says), pointed at
+        ``handshake_address``, with a lifeline: it stops by itself once this process
+        is gone, however this process dies (the pipe's write end, kept until
+        :meth:`stop` or a restart closes it, closes then). Its stderr is read by a
+        task in ``nursery``.
 
         Raises:
-            OSError: the process could not be started.
+            OSError: the reference engine's process could not be started.
+            EngineStartupError: vLLM's command could not be run (not installed, say).
         """
         assert engine.rank not in self._by_rank, "forget the old process first"
         read_end, write_end = open_lifeline()
         try:
-            command = engine_command(
-                config.evolve(data_parallel_rank=engine.rank),
-                handshake_address,
-                lifeline_fd=read_end,
-            )
-            command = [*command, *extra_arguments]
+            how = self.launcher.command(engine.rank, handshake_address, read_end)
+            command = [*how.argv, *extra_arguments]
             try:
                 process = await trio.lowlevel.open_process(
                     command,
@@ -257,16 +390,20 @@ class LaunchedProcesses:
                     stderr=subprocess.PIPE,
                     pass_fds=(read_end,),
                     # The engine must not inherit our Ctrl-C: the client shuts it down.
+                    # Its own session is also its own process group, which a vLLM
+                    # engine core shares with its launcher.
                     start_new_session=True,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    env=how.env,
                 )
-            except BaseException:
+            except BaseException as exc:
                 os.close(write_end)
+                if isinstance(exc, OSError):
+                    raise self.launcher.not_started(command, exc) from exc
                 raise
-            arm_lifeline(read_end, process.pid)
+            arm_lifeline(read_end, -process.pid if how.process_group else process.pid)
         finally:
             os.close(read_end)
-        launched = self._by_rank[engine.rank] = LaunchedProcess(process, write_end)
+        launched = self._by_rank[engine.rank] = LaunchedProcess(process, write_end, how)
         engine.pid = process.pid
         logger.debug("started %s: %s", engine.describe(), " ".join(command))
         nursery.start_soon(_read_stderr, engine.rank, launched)
@@ -283,6 +420,7 @@ class LaunchedProcesses:
         old = launched.process
         launched.kill_if_running()
         await old.wait()
+        launched.kill_stragglers()
         await launched.wait_stderr(1.0)
         if old.stderr is not None:
             await old.stderr.aclose()
@@ -313,17 +451,19 @@ class LaunchedProcesses:
         for engine, launched in ours:
             if not launched.exited:
                 logger.debug("shutdown: sending SIGTERM to %s", engine.describe())
-                launched.process.terminate()
+                launched.terminate()
         with trio.move_on_after(timeout_s):
             for process in processes:
                 await process.wait()
-        for process in processes:
+        for _, launched in ours:
+            process = launched.process
             if process.returncode is None:
                 logger.warning(
                     "engine pid %d did not exit in %g s; killing it", process.pid, timeout_s
                 )
-                process.kill()
+                launched.kill_if_running()
                 await process.wait()
+            launched.kill_stragglers()
         # An exited engine's last lines (often why it died) are still in the pipe:
         # let the reader relay them before the pipe is closed under it.
         with trio.move_on_after(_STDERR_DRAIN_S):
@@ -337,9 +477,15 @@ class LaunchedProcesses:
                 await launched.process.stderr.aclose()
 
 
+def _kill_group(leader: int, sig: signal.Signals) -> None:
+    # The group is gone when every process of it has exited: nothing left to do.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, sig)
+
+
 def arm_lifeline(read_end: int, pid: int) -> None:
-    """Have the kernel send SIGIO to process ``pid`` when the lifeline pipe's write end
-    closes (or anything is written to it).
+    """Have the kernel send SIGIO to process ``pid`` (to process group ``-pid`` when
+    negative) when the lifeline pipe's write end closes (or anything is written to it).
 
     The engine watches its lifeline itself once it runs ``serve``, which ignores
     SIGIO; before that, while Python starts and imports the package, SIGIO's default
@@ -361,6 +507,7 @@ async def _read_stderr(rank: int, launched: LaunchedProcess) -> None:
     stderr = launched.process.stderr
     assert stderr is not None
     relay = engine_logger(rank)
+    parse_line = parse_relayed_line if launched.how is None else launched.how.parse_line
     level: int | None = None
     buffer = b""
     try:
@@ -370,7 +517,7 @@ async def _read_stderr(rank: int, launched: LaunchedProcess) -> None:
             for raw in lines:
                 line = raw.decode("utf-8", errors="replace").rstrip()
                 if line:
-                    level, message = parse_relayed_line(line, level)
+                    level, message = parse_line(line, level)
                     launched.stderr_tail.append(line)
                     relay.log(level, "%s", message)
     except (trio.ClosedResourceError, trio.BrokenResourceError):

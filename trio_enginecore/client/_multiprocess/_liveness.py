@@ -7,8 +7,10 @@ apply them, each reporting to the client's state, which decides (see
 * :func:`watch_process`: a launched engine's process exits;
 * :class:`ConnectionWatch`: an engine's connection to the input socket closes, or goes
   silent under ZeroMQ heartbeats (killed, stopped, cut off), whatever kind of engine
-  it is; it is suspect at once and dead unless it shows life on a new connection
-  within :data:`~.._core._liveness_rules.RECONNECT_GRACE_S`;
+  it is; it is suspect at once and dead unless, within
+  :data:`~.._core._liveness_rules.RECONNECT_GRACE_S`, it shows life on a new
+  connection or makes one from where the lost one came (then it stays suspect until
+  it answers, and the progress deadline bounds the wait);
 * :class:`ProgressWatch`: an engine with work makes no progress for
   ``progress_timeout_s`` (hung), with a cheap utility call every so often
   (:func:`keep_asking`) so that an idle engine has work too;
@@ -24,6 +26,8 @@ first when it closes, so that none reports the deaths the shutdown causes.
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Final, final
@@ -35,7 +39,13 @@ from zmq.utils.monitor import parse_monitor_message
 from ..._zmq import TrioSocket
 from ...errors import EngineDeadError
 from .._core._engines import EngineHandle
-from .._core._liveness_rules import RECONNECT_GRACE_S, ConnectionTable, Liveness, ProgressClock
+from .._core._liveness_rules import (
+    RECONNECT_GRACE_S,
+    ConnectionTable,
+    Liveness,
+    Peer,
+    ProgressClock,
+)
 from .._transport import ClientLink
 from ._launch import LaunchedProcesses, exit_description
 
@@ -45,6 +55,7 @@ __all__ = [
     "EngineWatches",
     "ProgressWatch",
     "keep_asking",
+    "peer_of",
     "watch_process",
 ]
 
@@ -54,6 +65,39 @@ _STDERR_WAIT_S: Final = 1.0
 _MONITORED: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _GRACE_POLL_S: Final = 0.02
 _GRACE_ASK_S: Final = 0.1
+_ADRIFT_POLL_S: Final = 0.1
+_ADRIFT_ASK_S: Final = 1.0
+"""After the grace, an engine that may have reconnected is asked once a second (each
+call stays outstanding: it is answered when the engine's step ends)."""
+_RECONNECTED: Final = (
+    "lost its connection to this client and made it again (a network reset, say): "
+    "messages of this client's requests on it may have been lost either way, so they "
+    "failed (retryable; the engine is in service)"
+)
+_PEERCRED: Final = getattr(socket, "SO_PEERCRED", None)
+_UCRED: Final = struct.Struct("3i")
+
+
+def peer_of(fd: int) -> Peer | None:
+    """Where the connection on descriptor ``fd`` comes from: the peer's host for TCP,
+    its process for a Unix-domain socket (Linux); None if that cannot be told (the
+    descriptor closed meanwhile, another transport). The descriptor is only looked
+    at: it stays libzmq's."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            return ("host", sock.getpeername()[0])
+        if sock.family == socket.AF_UNIX and _PEERCRED is not None:
+            pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, _PEERCRED, _UCRED.size))
+            return ("process", pid) if pid > 0 else None
+        return None
+    except OSError:
+        return None
+    finally:
+        sock.detach()
 
 
 def _kill_if_ours(engine: EngineHandle, processes: LaunchedProcesses) -> str:
@@ -76,6 +120,7 @@ async def watch_process(
     launched = processes.get(engine)
     assert launched is not None
     code = await launched.process.wait()
+    launched.kill_stragglers()  # an engine core whose vLLM launcher was killed
     if not link.state.closing:
         await launched.wait_stderr(_STDERR_WAIT_S)
         if processes.get(engine) is launched:
@@ -91,6 +136,20 @@ class ConnectionWatch:
     Create it before the socket is bound, so that no connection is missed; claim each
     engine's connection with the descriptor its ready message came on (:meth:`claim`);
     run :meth:`run` in the client's nursery.
+
+    An engine whose connection was lost is suspect, and has
+    :data:`~.._core._liveness_rules.RECONNECT_GRACE_S` to show it can be reached: a
+    ready message on a new connection (the reference engine reconnecting), or an
+    answer to a call sent after the loss. A vLLM engine whose TCP connection was reset
+    mid-step does neither in time: libzmq reconnects it silently, and it answers once
+    its step ends, seconds later. So an engine that made a new connection from where
+    its lost one came, within the grace, stays suspect after it, asked once a second,
+    until it answers (it is then placed on that connection, watched there as on its
+    first), or the connection is lost too (a new grace), or it cannot be the engine's
+    any more (another engine took it); a dead engine's silence meanwhile is the
+    progress deadline's to judge. A killed engine's connection never comes back, nor
+    does a stopped one's (libzmq's thread is stopped with it): dead after the grace,
+    as before.
 
     Args:
         sock: the input ROUTER (with heartbeats set).
@@ -116,7 +175,8 @@ class ConnectionWatch:
         self._claims: list[tuple[int, EngineHandle]] = []
         self._wake: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
-        self._in_grace: set[int] = set()
+        self._graces: dict[int, trio.CancelScope] = {}
+        self._changed = trio.Event()
 
     def claim(self, fd: int, engine: EngineHandle) -> None:
         """``engine``'s ready message came on descriptor ``fd`` (applied by the watch
@@ -143,10 +203,14 @@ class ConnectionWatch:
                     self._apply_queued()
                     claims, self._claims = self._claims, []
                     for fd, engine in claims:
-                        if not self.table.claim(fd, engine.identity):
+                        # A connection whose "accepted" event was dropped: looked at now.
+                        if not self.table.claim(fd, engine.identity, peer_of(fd)):
                             self._lost(engine)
+                    self._touch()
         finally:
             self._nursery = None
+            for scope in self._graces.values():
+                scope.cancel()
             if not self.sock.closed:
                 self.sock.raw.disable_monitor()
             self.monitor.close(linger=0)
@@ -164,17 +228,26 @@ class ConnectionWatch:
         event = parse_monitor_message([bytes(frame) for frame in frames])
         fd = int(event["value"])
         if event["event"] == zmq.EVENT_ACCEPTED:
-            self.table.accepted(fd)
+            # Read now, while the descriptor is this connection's: a later event says
+            # if it closed (and the number was reused) meanwhile.
+            self.table.accepted(fd, peer_of(fd))
             return
-        identity = self.table.disconnected(fd)
-        if identity is None:
-            return
-        engine = next((e for e in self.link.state.engines if e.identity == identity), None)
-        if engine is not None:
-            self._lost(engine)
+        for identity in self.table.disconnected(fd):
+            engine = next((e for e in self.link.state.engines if e.identity == identity), None)
+            if engine is not None:
+                self._lost(engine)
+
+    def _touch(self) -> None:
+        """Wake the graces: what they decide on may have changed."""
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
 
     def _lost(self, engine: EngineHandle) -> None:
+        """``engine``'s connection was lost, or one that may have been its own: a grace
+        of its own, from now (one already running is replaced: its answers and its
+        deadline were for the earlier loss)."""
         if not engine.alive or self.link.state.closing or self._nursery is None:
+            self.table.forget(engine.identity)
             return
         heartbeat = (
             f", or it answered no heartbeat for {self.liveness.heartbeat_timeout_s:g} s"
@@ -182,51 +255,104 @@ class ConnectionWatch:
             else ""
         )
         suspicion = f"its connection was lost (closed by its end{heartbeat})"
-        if id(engine) in self._in_grace:
-            return
-        self._in_grace.add(id(engine))
         # Suspect already (no progress for a while, say): the connection decides now.
         self.link.engine_suspect(engine, suspicion)
-        self._nursery.start_soon(self._grace, engine, suspicion)
+        earlier = self._graces.pop(id(engine), None)
+        if earlier is not None:
+            earlier.cancel()
+        scope = self._graces[id(engine)] = trio.CancelScope()
+        self._nursery.start_soon(self._grace, engine, suspicion, scope)
 
-    async def _grace(self, engine: EngineHandle, suspicion: str) -> None:
+    def _prune(self) -> None:
+        """Engines out of service are nobody's candidates (see ``ConnectionTable.gone``)."""
+        for engine in self.link.state.engines:
+            if not engine.alive:
+                self.table.forget(engine.identity)
+
+    async def _grace(self, engine: EngineHandle, suspicion: str, scope: trio.CancelScope) -> None:
         """Give the engine a moment to show it can be reached again: a second ready
         message on a new connection, or an answer to a call sent after the loss (an
-        output proves nothing: one sent before a kill can still be on its way).
-        Else it is dead."""
+        output proves nothing: one sent before a kill can still be on its way). After
+        it, an engine that may have made a new connection has until it answers (see
+        the class docstring). Else it is dead."""
+        identity = engine.identity
         try:
-            answered = trio.Event()
-            async with trio.open_nursery() as asking:
-                asking.start_soon(self._ask_until_answered, engine, answered)
-                with trio.move_on_after(RECONNECT_GRACE_S) as grace:
-                    while engine.alive:
-                        if answered.is_set() or self.table.connected(engine.identity):
+            with scope:
+                answered = trio.Event()
+                async with trio.open_nursery() as asking:
+                    asking.start_soon(self._ask_until_answered, engine, answered)
+                    grace_ends = trio.current_time() + RECONNECT_GRACE_S
+                    waiting = False
+                    while engine.alive and not self.link.state.closing:
+                        if self.table.connected(identity):
                             self.link.engine_cleared(engine)
                             break
-                        await trio.sleep(_GRACE_POLL_S)
-                asking.cancel_scope.cancel()
-            # A launched engine that exited: its exit, with its code and last stderr
-            # lines, says more than its lost connection; watch_process reports it.
-            if grace.cancelled_caught and engine.alive and not self.processes.exited(engine):
-                reason = (
-                    f"{suspicion} and not made again within {RECONNECT_GRACE_S:g} s: it "
-                    "was killed or stopped, or the network between us failed"
-                )
-                self.link.engine_died(engine, reason + _kill_if_ours(engine, self.processes))
+                        if answered.is_set():
+                            self._prune()
+                            self.table.confirm(identity)
+                            if waiting:
+                                logger.warning(
+                                    "%s answered on its new connection: it is in service",
+                                    engine.describe(),
+                                )
+                            self.link.engine_cleared(engine)
+                            # ZeroMQ made the connection again behind our back: what
+                            # was on its way either way when it broke (requests, aborts,
+                            # outputs) may be lost, and a stream must be exact or fail.
+                            self.link.requests_lost(engine, _RECONNECTED)
+                            break
+                        if trio.current_time() >= grace_ends:
+                            self._prune()
+                            if self.table.gone(identity):
+                                self._died(engine, suspicion)
+                                break
+                            if not waiting:
+                                waiting = True
+                                logger.warning(
+                                    "%s made a new connection from where the lost one came: "
+                                    "waiting for it to answer (a step in progress delays "
+                                    "it; the progress deadline bounds the wait)",
+                                    engine.describe(),
+                                )
+                        # Woken by the table or an answer; a death reported by another
+                        # watch, or the grace's end, is seen at the next poll.
+                        with trio.move_on_after(_ADRIFT_POLL_S if waiting else _GRACE_POLL_S):
+                            await self._changed.wait()
+                    asking.cancel_scope.cancel()
         finally:
-            self._in_grace.discard(id(engine))
+            if self._graces.get(id(engine)) is scope:
+                del self._graces[id(engine)]
+
+    def _died(self, engine: EngineHandle, suspicion: str) -> None:
+        # A launched engine that exited: its exit, with its code and last stderr
+        # lines, says more than its lost connection; watch_process reports it.
+        self.table.forget(engine.identity)
+        if self.processes.exited(engine):
+            return
+        reason = (
+            f"{suspicion} and not made again within {RECONNECT_GRACE_S:g} s: it "
+            "was killed or stopped, or the network between us failed"
+        )
+        self.link.engine_died(engine, reason + _kill_if_ours(engine, self.processes))
 
     async def _ask_until_answered(self, engine: EngineHandle, answered: trio.Event) -> None:
         # A call sent while the engine has no connection is dropped by the ROUTER (it
-        # has no route to it): ask again every so often, each call with a deadline.
-        while True:
-            with trio.move_on_after(_GRACE_ASK_S):
-                try:
-                    await self.link.ping(engine)
-                except (EngineDeadError, trio.ClosedResourceError):
-                    return
-                answered.set()
-                return
+        # has no route to it): ask again every so often. Earlier calls stay
+        # outstanding: an engine in a long step answers them all when it ends.
+        started = trio.current_time()
+        async with trio.open_nursery() as calls:
+            while True:
+                calls.start_soon(self._ask, engine, answered)
+                in_grace = trio.current_time() - started < RECONNECT_GRACE_S
+                await trio.sleep(_GRACE_ASK_S if in_grace else _ADRIFT_ASK_S)
+
+    async def _ask(self, engine: EngineHandle, answered: trio.Event) -> None:
+        try:
+            await self.link.ping(engine)
+        except (EngineDeadError, trio.ClosedResourceError):
+            return  # failed, not answered (the grace decides what that means)
+        answered.set()
+        self._touch()
 
 
 async def keep_asking(engine: EngineHandle, link: ClientLink, interval_s: float) -> None:

@@ -11,9 +11,10 @@ import attrs
 
 from ..._addresses import free_tcp_ports
 from ..._curve import CurveServer
+from ..._keywords import suggest_keywords
 from .._core._settings_checks import positive_number
 
-__all__ = ["EngineRestarter", "RemoteEngines", "RestartedEngine"]
+__all__ = ["EngineRestarter", "RemoteEngines", "RestartedEngine", "torch_group_config"]
 
 _ALL_INTERFACES: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
@@ -37,6 +38,25 @@ def _locations(locations: Mapping[int, str]) -> Mapping[int, str]:
 
 _positive: Final = positive_number("RemoteEngines")
 _positive_or_none: Final = positive_number("RemoteEngines", optional=True)
+
+
+def torch_group_config(
+    master_ip: str, master_port: int | None, data_parallel_size: int
+) -> dict[str, int | str | list[int]]:
+    """The ``parallel_config`` vLLM's front-end sends the ranks of one torch
+    data-parallel group (MoE ranks) in the handshake: where the group meets
+    (``master_port``, or a free port of this host), and four more free ports for its
+    later collectives. Each call picks new free ports."""
+    ports = free_tcp_ports(5 if master_port is None else 4)
+    master = master_port or ports.pop()
+    return {
+        "data_parallel_master_ip": master_ip,
+        "data_parallel_master_port": master,
+        "_data_parallel_master_port_list": ports,
+        # Only elastic EP needs vLLM's coordination store; 0 says there is none.
+        "_coord_store_port": 0,
+        "data_parallel_size": data_parallel_size,
+    }
 
 
 @final
@@ -86,6 +106,7 @@ class EngineRestarter(Protocol):
         ...
 
 
+@suggest_keywords
 @attrs.frozen
 class RemoteEngines:
     """Engines that start elsewhere (``trio-enginecore serve --headless``) and join the
@@ -164,16 +185,9 @@ class RemoteEngines:
         vLLM's front-end sends coordinated ranks. Each call picks new free ports."""
         if self.data_parallel_master_ip is None:
             return {}
-        ports = free_tcp_ports(5 if self.data_parallel_master_port is None else 4)
-        master = self.data_parallel_master_port or ports.pop()
-        return {
-            "data_parallel_master_ip": self.data_parallel_master_ip,
-            "data_parallel_master_port": master,
-            "_data_parallel_master_port_list": ports,
-            # Only elastic EP needs vLLM's coordination store; 0 says there is none.
-            "_coord_store_port": 0,
-            "data_parallel_size": data_parallel_size,
-        }
+        return torch_group_config(
+            self.data_parallel_master_ip, self.data_parallel_master_port, data_parallel_size
+        )
 
     def joining(self, ranks: range) -> frozenset[int]:
         """Which of a client's ``ranks`` join from elsewhere.

@@ -18,12 +18,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from typing import final
 
+import msgspec
 import zmq
 
 from ..._zmq import Frames, TrioSocket
 from ...config import EngineConfig
 from ...coordinator import CoordinatorAddresses
-from ...dialects import choose_dialect, choose_group_dialect
+from ...dialects import DialectChoice, choose_dialect, choose_group_dialects
 from ...errors import EngineStartupError, ProtocolError
 from ...protocol import (
     EngineCoreReadyResponse,
@@ -38,7 +39,13 @@ from .._core._engines import EngineHandle
 from ._launch import LaunchedProcesses
 from ._remote import RemoteEngines
 
-__all__ = ["StartupProgress", "group_hint", "handshake_metadata"]
+__all__ = [
+    "EngineDialects",
+    "ReadyDecoder",
+    "StartupProgress",
+    "group_hint",
+    "handshake_metadata",
+]
 
 logger = logging.getLogger("trio_enginecore.client")
 
@@ -99,6 +106,9 @@ class StartupProgress:
         self.engines = engines
         self.input_address = input_address
         self.handshake_address = handshake_address
+        self.dialects = EngineDialects()
+        """Chooses the engines' dialects from their ready messages (the client's: an
+        engine that restarts is given its dialect by the same one)."""
         self.hellos: set[bytes] = set()
         self.handshake_ready: set[bytes] = set()
         self.ready_messages: set[bytes] = set()
@@ -172,7 +182,7 @@ class StartupProgress:
         Raises:
             EngineStartupError: a ready message does not decode.
         """
-        decoder = MsgpackDecoder(EngineCoreReadyResponse)
+        decoder = ReadyDecoder()
         waiting = {engine.identity: engine for engine in self.engines}
         while waiting:
             frames, fd = await next_ready()
@@ -189,13 +199,13 @@ class StartupProgress:
                 came_on(fd, engine)
             if len(payload):
                 try:
-                    engine.ready = decoder.decode(payload)
+                    decoder.decode_into(engine, payload)
                 except ProtocolError as exc:
                     raise EngineStartupError(
                         f"{engine.describe()} sent an invalid ready message: {exc}"
                     ) from exc
             logger.debug("%s is ready", engine.describe())
-        settle_dialects(self.engines)
+        self.dialects.settle(self.engines)
 
     def _handshake_ready(self, identity: bytes) -> None:
         self.handshake_ready.add(identity)
@@ -279,50 +289,96 @@ class StartupProgress:
         )
 
 
-def settle_dialects(engines: Sequence[EngineHandle]) -> None:
-    """Give each engine the dialect of the vLLM release its ready message names.
+@final
+class ReadyDecoder:
+    """Decodes ready messages into an engine's record: the message, and the keys it
+    had (the decoded struct fills in the keys a release does not send, and the keys
+    are how a release is recognised when an engine's version names none)."""
 
-    Engines that sent an empty ready message keep the oldest dialect. Logs one warning
-    for a release newer than every known one.
+    def __init__(self) -> None:
+        self._ready = MsgpackDecoder(EngineCoreReadyResponse)
+        self._keys = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
-    Raises:
-        EngineStartupError: an engine's release is older than every supported one, or
-            the engines run different releases (the message names them).
-    """
-    versions = [
-        (engine.describe(), engine.ready.vllm_version)
-        for engine in engines
-        if engine.ready is not None
-    ]
-    if not versions:
-        return
-    try:
-        choice = choose_group_dialect(versions)
-    except ValueError as exc:
-        raise EngineStartupError(f"engines refused: {exc}") from None
-    warning = choice.warning()
-    if warning is not None:
-        logger.warning("%s", warning)
-    for engine in engines:
-        if engine.ready is not None:
+    def decode_into(self, engine: EngineHandle, payload: Buffer) -> None:
+        """Set ``engine.ready`` and ``engine.ready_keys`` from ``payload``; both are
+        unchanged if it does not decode.
+
+        Raises:
+            ProtocolError: it is not a ready message.
+        """
+        ready = self._ready.decode(payload)
+        try:
+            keys = frozenset(self._keys.decode(payload))
+        except msgspec.DecodeError as exc:  # a map already: not expected
+            raise ProtocolError(f"invalid ready message: {exc}") from exc
+        engine.ready, engine.ready_keys = ready, keys
+
+
+@final
+class EngineDialects:
+    """Gives each engine of one client the dialect of the vLLM release its ready
+    message names, or, if its version names none (``"dev"``), whose keys its ready
+    message has; and logs what it had to guess once per client (an untested
+    release, a version that names no release), however many engines it concerns
+    and however often they restart."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def settle(self, engines: Sequence[EngineHandle]) -> None:
+        """Give the engines of a startup their dialects (those that sent an empty
+        ready message keep the oldest).
+
+        Raises:
+            EngineStartupError: an engine's release is older than every supported
+                one, its version names no release and its ready message has the
+                keys of none, or the engines run different releases (the message
+                names them).
+        """
+        ready = [engine for engine in engines if engine.ready is not None]
+        announced = [(engine.describe(), _version(engine), engine.ready_keys) for engine in ready]
+        if not announced:
+            return
+        try:
+            choices = choose_group_dialects(announced)
+        except ValueError as exc:
+            raise EngineStartupError(f"engines refused: {exc}") from None
+        self._warn(choices)
+        for engine, choice in zip(ready, choices, strict=True):
             engine.dialect = choice.dialect
 
+    def adopt(self, engine: EngineHandle) -> None:
+        """Give an engine that restarted or re-attached the dialect of its (new)
+        ready message; it is sent its own release's form even if that changed
+        (logged)."""
+        if engine.ready is None:
+            return
+        try:
+            choice = choose_dialect(_version(engine), engine.ready_keys)
+        except ValueError as exc:
+            logger.error("%s came back unsupported: %s", engine.describe(), exc)
+            return
+        self._warn([choice])
+        if choice.dialect != engine.dialect:
+            logger.warning(
+                "%s came back as %s (was %s): sending it that release's form",
+                engine.describe(),
+                choice.describe(),
+                engine.dialect.name,
+            )
+        engine.dialect = choice.dialect
 
-def adopt_dialect(engine: EngineHandle) -> None:
-    """Give an engine that restarted or re-attached the dialect of its (new) ready
-    message; it is sent its own release's form even if that changed (logged)."""
-    if engine.ready is None:
-        return
-    try:
-        choice = choose_dialect(engine.ready.vllm_version)
-    except ValueError as exc:
-        logger.error("%s came back unsupported: %s", engine.describe(), exc)
-        return
-    if choice.dialect != engine.dialect:
-        logger.warning(
-            "%s came back as vLLM %s (was %s): sending it that release's form",
-            engine.describe(),
-            choice.version,
-            engine.dialect.name,
-        )
-    engine.dialect = choice.dialect
+    def _warn(self, choices: Sequence[DialectChoice]) -> None:
+        warnings = [
+            warning
+            for warning in dict.fromkeys(choice.warning() for choice in choices)
+            if warning is not None and warning not in self._warned
+        ]
+        if warnings:
+            self._warned.update(warnings)
+            logger.warning("%s", "; ".join(warnings))
+
+
+def _version(engine: EngineHandle) -> str:
+    assert engine.ready is not None
+    return engine.ready.vllm_version

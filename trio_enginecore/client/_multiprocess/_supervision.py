@@ -32,15 +32,14 @@ import trio
 from ..._curve import load_public_key
 from ..._zmq import TrioSocket
 from ...errors import EngineStartupError, ProtocolError
-from ...protocol import EngineCoreReadyResponse
-from ...serial import Buffer, MsgpackDecoder
+from ...serial import Buffer
 from .._core._engines import EngineHandle
 from .._core._policy import Restart, RestartBudget
 from .._transport import ClientLink
 from ._launch import LaunchedProcesses
 from ._pipe import MessagePipe
 from ._remote import EngineRestarter
-from ._startup import StartupProgress, adopt_dialect
+from ._startup import EngineDialects, ReadyDecoder, StartupProgress
 
 __all__ = [
     "EngineSupervisor",
@@ -188,6 +187,8 @@ class EngineSupervisor:
         back_in_service: starts what watches an engine that is ready again.
         ready_timeout_s: how long one restart may take to be ready.
         came_on: told which connection each ready message came on.
+        dialects: gives an engine that is ready again its dialect (the client's,
+            from its startup).
     """
 
     def __init__(
@@ -204,6 +205,7 @@ class EngineSupervisor:
         back_in_service: Callable[[EngineHandle], None] | None = None,
         ready_timeout_s: float = 60.0,
         came_on: Callable[[int, EngineHandle], None] | None = None,
+        dialects: EngineDialects | None = None,
     ) -> None:
         self.link = link
         self.pipe = pipe
@@ -216,6 +218,7 @@ class EngineSupervisor:
         self.back_in_service = back_in_service
         self.ready_timeout_s = ready_timeout_s
         self.came_on = came_on
+        self.dialects = dialects if dialects is not None else EngineDialects()
         self._budgets: dict[int, RestartBudget] = {}
         self._awaiting: dict[bytes, trio.Event] = {}
         self._to_restart, self._queue = trio.open_memory_channel[EngineHandle](float("inf"))
@@ -242,14 +245,25 @@ class EngineSupervisor:
             await self._stopped.wait()
 
     def restart_later(self, engine: EngineHandle) -> None:
-        """Queue a dead engine for restarting (its state says ``restarting``)."""
+        """Queue a dead engine for restarting (its state says ``restarting``), and log
+        the restart's one line, right after the engine's death."""
         if self.restart is not None:
+            budget = self._budgets.setdefault(engine.rank, RestartBudget(self.restart))
+            delay = budget.peek_delay(trio.current_time())
+            if delay is not None:  # else it is given up, which is logged then
+                self._log_restart(engine, delay)
             self._to_restart.send_nowait(engine)
+
+    def _log_restart(self, engine: EngineHandle, delay: float) -> None:
+        serving = [e.rank for e in self.link.state.engines if e.alive]
+        logger.warning(
+            "restarting %s in %.2g s; engine(s) %s in service", engine.describe(), delay, serving
+        )
 
     # -------------------------------------------------------------- input watch
 
     async def _watch_input(self) -> None:
-        decoder = MsgpackDecoder(EngineCoreReadyResponse)
+        decoder = ReadyDecoder()
         by_identity = {engine.identity: engine for engine in self.link.state.engines}
         while True:
             try:
@@ -266,11 +280,11 @@ class EngineSupervisor:
             if awaited is not None:
                 if len(frames[1]):
                     try:
-                        engine.ready = decoder.decode(frames[1])
+                        decoder.decode_into(engine, frames[1])
                     except ProtocolError as exc:
                         logger.error("%s sent an invalid ready message: %s", engine.describe(), exc)
                     else:
-                        adopt_dialect(engine)
+                        self.dialects.adopt(engine)
                 awaited.set()
             elif engine.alive:
                 self.link.requests_lost(
@@ -289,6 +303,7 @@ class EngineSupervisor:
         restart = self.restart
         assert restart is not None
         budget = self._budgets.setdefault(engine.rank, RestartBudget(restart))
+        announced = True  # by restart_later, when the engine died
         while engine.restarting:
             delay = budget.next_delay(trio.current_time())
             if delay is None:
@@ -298,7 +313,9 @@ class EngineSupervisor:
                     f"within {restart.window_s:g} s; the last death: {engine.death}",
                 )
                 return
-            logger.warning("restarting %s in %.2g s", engine.describe(), delay)
+            if not announced:  # another attempt, after a failed one
+                self._log_restart(engine, delay)
+            announced = False
             await trio.sleep(delay)
             failure = await self._attempt(engine)
             if failure is None:

@@ -17,10 +17,12 @@ from ..._listeners import ListenerFd
 from .._core._liveness_rules import Liveness
 from .._core._router import DataParallelRole
 from ._remote import RemoteEngines
+from ._vllm import VllmEngines
 
 __all__ = [
     "ATTRIBUTION_WINDOW_S",
     "EXTERNAL_LB_NEEDS_COORDINATOR",
+    "VLLM_HANDSHAKE_ADDRESS",
     "CoordinatorSource",
     "Topology",
     "plan_topology",
@@ -35,6 +37,12 @@ EXTERNAL_LB_NEEDS_COORDINATOR: Final = (
     "the clients of a data-parallel group: open one with trio_enginecore.open_coordinator() "
     "and pass its addresses as coordinator="
 )
+
+
+VLLM_HANDSHAKE_ADDRESS: Final = "tcp://127.0.0.1:*"
+"""Where launched vLLM engine cores say HELLO: ``vllm serve --headless`` only takes a
+TCP host and port (``--data-parallel-address``, ``--data-parallel-rpc-port``), so the
+client binds the loopback interface, on a port chosen when bound."""
 
 
 class CoordinatorSource(enum.Enum):
@@ -119,19 +127,22 @@ def plan_topology(
     input_address: str | ListenerFd | None = None,
     output_address: str | ListenerFd | None = None,
     remote: RemoteEngines | None = None,
+    vllm: VllmEngines | None = None,
     liveness: Liveness | None = None,
 ) -> Topology:
     """Decide a multiprocess client's topology (see :class:`Topology`).
 
     Three shapes: *launch* (no addresses, no ``remote``: engines launched here, ipc
-    sockets in a private directory); *attach* (``input_address`` and
-    ``output_address``: engines started elsewhere connect there, no handshake);
-    *remote* (``remote``: engines, some or all started on other hosts, join through
-    the handshake over TCP, on ports chosen when bound).
+    sockets in a private directory; vLLM's engine cores, ``vllm``, say HELLO over TCP
+    on the loopback interface); *attach* (``input_address`` and ``output_address``:
+    engines started elsewhere connect there, no handshake); *remote* (``remote``:
+    engines, some or all started on other hosts, join through the handshake over
+    TCP, on ports chosen when bound).
 
     Raises:
         ValueError: only one attach address; attach addresses together with
-            ``remote``; ``remote.ranks`` naming a rank the client does not have; a
+            ``remote``; ``vllm`` with either; ``remote.ranks`` naming a rank the
+            client does not have; a
             client with external load balancing given no coordinator whose engine
             joins through the handshake (launched or remote: the handshake is how it
             learns the coordinator's addresses).
@@ -143,6 +154,11 @@ def plan_topology(
         raise ValueError(
             "remote engines join through the handshake: give remote= or the attach "
             "addresses, not both"
+        )
+    if vllm is not None and (attach or remote is not None):
+        raise ValueError(
+            "vllm= launches vLLM's engine cores here: give it, or the attach addresses, "
+            "or remote=, one of them"
         )
     ranks = tuple(role.ranks)
     if attach:
@@ -157,6 +173,8 @@ def plan_topology(
     if remote is not None:
         input_address = output_address = remote.any_port
         handshake_address = remote.handshake_address
+    elif vllm is not None:
+        handshake_address = VLLM_HANDSHAKE_ADDRESS
     return Topology(
         input_address=input_address,
         output_address=output_address,

@@ -374,7 +374,7 @@ async def open_ray_engine_client(
     """
     config = config if config is not None else EngineConfig()
     spec = engines if engines is not None else RayEngines()
-    options = options_from(options, keywords)
+    options = options_from(options, keywords, opener=open_ray_engine_client)
     _check_options(options)
     session = RaySession(spec)
     try:

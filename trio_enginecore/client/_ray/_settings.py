@@ -15,6 +15,7 @@ from typing import Any, Final, Literal, final
 import attrs
 
 from ..._curve import CurveServer
+from ..._keywords import suggest_keywords
 from ...config import EngineConfig
 from .._core._settings_checks import positive_number
 from .._multiprocess._launch import serve_arguments
@@ -57,6 +58,7 @@ _positive_or_none: Final = positive_number("RayEngines", optional=True)
 
 
 @final
+@suggest_keywords
 @attrs.frozen(kw_only=True)
 class RayEngines:
     """Engines placed on a Ray cluster, one actor per data-parallel rank (see

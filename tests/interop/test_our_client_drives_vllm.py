@@ -13,18 +13,15 @@ environment, with only the model executor replaced by ``vllm_side/fake_executor.
   for it, handshaking with it on its own private socket.
 
 The client's liveness checks are the defaults (ZeroMQ heartbeats on): a normal run
-leaves no ERROR, traceback or warning about the connection in vLLM's log. An engine
-core made to announce ``"dev"`` (as vLLM run from a source tree does; the launchers'
-``--announce-version``) is served in its release's form, told by its ready message's
-keys. Each test starts its own engine (tens of seconds on two cores): a fatal error
-ends it. What the
-liveness checks make of a slow, killed, stopped or hung vLLM engine is in
-``test_vllm_liveness.py``.
+leaves no ERROR, traceback or warning about the connection in vLLM's log. (An engine
+core announcing ``"dev"``, as vLLM run from a source tree does, is served in
+``test_client_launches_vllm.py``.) Each test starts its own engine (tens of seconds on
+two cores): a fatal error ends it. What the liveness checks make of a slow, killed,
+stopped or hung vLLM engine is in ``test_vllm_liveness.py``.
 """
 
 from __future__ import annotations
 
-import logging
 from contextlib import AsyncExitStack
 from functools import partial
 from pathlib import Path
@@ -187,36 +184,6 @@ async def test_one_process_drives_a_vllm_033_and_a_vllm_034_engine_at_once(
                 FinishReason.LENGTH,
             )
             assert trouble_lines(engine.launcher.log()) == []
-
-
-async def test_a_vllm_engine_announcing_dev_is_known_by_its_ready_message(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """vLLM run from a source tree announces "dev" (its ``vllm/version.py`` falls back
-    to it): the client tells the release from the ready message's keys (0.33's 28,
-    0.34's 33), says so once, and speaks that release's form to the engine. Attached
-    here; through the handshake in ``test_client_launches_vllm.py``."""
-    caplog.set_level(logging.WARNING, logger="trio_enginecore")
-    async with vllm_engine("attach", tmp_path, announce_version="dev") as engine:
-        client = engine.client
-        ready = client.engines[0]
-        assert ready is not None
-        assert ready.vllm_version == "dev"
-        await exact_streams(client)
-        # A prompt long enough for 0.34's packed array to go as its own frame.
-        prompt = list(range(1, 300))
-        request = EngineCoreRequest.for_tokens(prompt, max_tokens=4)
-        assert await generate(client, request) == (expected(prompt, 4), FinishReason.LENGTH)
-        if at_least("0.34"):
-            assert await client.is_inference_ready() is True
-        else:
-            with pytest.raises(UtilityCallError, match=r"not sent.*new in vLLM 0\.34"):
-                await client.is_inference_ready()
-        assert not client.is_dead
-    warnings = [r.getMessage() for r in caplog.records if "'dev'" in r.getMessage()]
-    assert len(warnings) == 1
-    assert f"speaking vLLM {vllm_release()}'s wire format" in warnings[0]
-    assert trouble_lines(engine.launcher.log()) == []
 
 
 @pytest.mark.xfail(

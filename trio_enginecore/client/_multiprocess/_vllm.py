@@ -255,10 +255,6 @@ class VllmEngines:
             return {}
         return torch_group_config("127.0.0.1", None, data_parallel_size)
 
-    def describe(self) -> str:
-        """How the messages name this kind of engine: vLLM's, with its command."""
-        return f"vLLM engine core ({' '.join(self.command)} serve {self.model} --headless)"
-
 
 def _host_and_port(address: str) -> tuple[str, str]:
     host, sep, port = address.removeprefix("tcp://").rpartition(":")

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from . import __version__
 from .config import MODELS, add_engine_flags, config_from_flags
@@ -284,6 +284,26 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_server_parser(commands: Any) -> None:
+    try:
+        from .server._command import DESCRIPTION, add_api_server_arguments
+    except ImportError:  # the `server` extra is not installed
+        commands.add_parser(
+            "api-server",
+            help="serve OpenAI's API (needs the 'server' extra)",
+            description="Needs the 'server' extra: pip install 'trio-enginecore[server]'.",
+        )
+        return
+    add_api_server_arguments(
+        commands.add_parser(
+            "api-server",
+            help="serve OpenAI's API (completions, chat, models, metrics) over engine cores",
+            description=DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trio-enginecore",
@@ -305,6 +325,7 @@ def _parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
+    _api_server_parser(commands)
     _bench_parser(commands.add_parser("bench", help="measure the Trio client on your machine"))
     keygen = commands.add_parser(
         "keygen",
@@ -407,6 +428,17 @@ def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     )
 
 
+def _run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        from .server._command import run_api_server
+    except ImportError as exc:
+        parser.error(
+            f"api-server needs the 'server' extra ({exc.name} is missing): "
+            "pip install 'trio-enginecore[server]'"
+        )
+    return run_api_server(parser, args)
+
+
 def _run_keygen(args: argparse.Namespace) -> int:
     from ._curve import write_key_pair
 
@@ -472,6 +504,8 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         return _run_serve(parser, args)
     if args.command == "bench":
         return _run_bench(args)
+    if args.command == "api-server":
+        return _run_api_server(parser, args)
     if args.command == "keygen":
         return _run_keygen(args)
     if args.command == "coordinator":

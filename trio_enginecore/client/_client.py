@@ -186,6 +186,26 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         """True once an engine died; every later call raises EngineDeadError."""
         return self._state.failure is not None
 
+    def observe_outputs(self, observer: Callable[[EngineCoreOutputs], None]) -> Callable[[], None]:
+        """Have ``observer`` called with every engine message carrying outputs or
+        scheduler statistics, as it arrives and before its outputs reach their requests
+        (for metrics: the engine's timestamps, events and ``scheduler_stats`` are there
+        and nowhere else). Returns the function that stops it.
+
+        The observer runs in the client's receive task: it must be quick and must not
+        change the message. Its request ids are those on the wire: the caller's ids,
+        except a reused id of an aborted request (then ``"<id>~<suffix>"``). One that
+        raises is logged once and dropped; the outputs are served on.
+        """
+        observers = self._state.output_observers
+        observers.append(observer)
+
+        def stop() -> None:
+            if observer in observers:
+                observers.remove(observer)
+
+        return stop
+
     def statistics(self) -> ClientStatistics:
         """A frozen snapshot of the client's counters."""
         self._require_started()

@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Final, NotRequired, TypedDict, cast
 
 import msgspec
 import numpy as np
@@ -47,9 +47,11 @@ class TextPrompt(TypedDict):
 
 
 class TokensPrompt(TypedDict):
-    """A prompt given as token ids (vLLM's ``TokensPrompt``)."""
+    """A prompt given as token ids (vLLM's ``TokensPrompt``), with the text they were
+    made from if the caller tokenized it (``prompt``: outputs then report it)."""
 
     prompt_token_ids: list[int]
+    prompt: NotRequired[str]
 
 
 PromptInput = str | TextPrompt | TokensPrompt | Sequence[int]
@@ -138,7 +140,11 @@ def _prompt_parts(prompt: object, tokenizer: Tokenizer | None) -> tuple[str | No
     if isinstance(prompt, Mapping):
         mapping = cast("Mapping[str, object]", prompt)
         if "prompt_token_ids" in mapping:
-            return _prompt_parts(mapping["prompt_token_ids"], tokenizer)
+            _, token_ids = _prompt_parts(mapping["prompt_token_ids"], tokenizer)
+            # The text the ids were made from, when the caller tokenized it (as an
+            # OpenAI server does, to bound max_tokens): outputs report it.
+            given = mapping.get("prompt")
+            return (given if isinstance(given, str) else None), token_ids
         if "prompt" in mapping:
             text = mapping["prompt"]
             if not isinstance(text, str):

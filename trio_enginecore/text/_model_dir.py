@@ -9,8 +9,10 @@ What is read, and why each file:
   Optional; a file that is present must be valid.
 * ``generation_config.json``: the model's extra EOS ids (``eos_token_id``, an int or a
   list), which vLLM's frontend adds to every request's stop tokens. Optional.
-* ``chat_template.jinja``: the chat template, where ``tokenizer_config.json`` has none
-  (the layout transformers 5 writes). Optional.
+* ``chat_template.jinja`` and ``chat_templates/NAME.jinja``: the chat templates, in the
+  layout transformers 5 writes; as in transformers 5, when any of these files exists
+  they replace ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of
+  named templates). Optional.
 
 Nothing is ever downloaded: the argument is a path. A file that is missing (where it
 is required) or malformed raises :class:`~trio_enginecore.errors.ModelDirectoryError`
@@ -87,6 +89,78 @@ _SPECIAL_TOKEN_KEYS: Final = (
 )
 
 
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelDirectoryError(path, f"cannot be read ({exc})") from exc
+
+
+def _chat_templates(root: Path, config: dict[str, object], config_file: Path) -> dict[str, str]:
+    # As transformers 5 reads them (PreTrainedTokenizerBase.from_pretrained): the
+    # template files, when there are any, replace the config's templates altogether.
+    files: dict[str, str] = {}
+    if (root / "chat_template.jinja").is_file():
+        files["default"] = _read_template(root / "chat_template.jinja")
+    if (root / "chat_templates").is_dir():
+        for path in sorted((root / "chat_templates").glob("*.jinja")):
+            files[path.name.removesuffix(".jinja")] = _read_template(path)
+    if files:
+        return files
+    value = config.get("chat_template")
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    entries = as_json_list(value)
+    if entries is None:
+        raise ModelDirectoryError(
+            config_file, "'chat_template' must be a string or a list of named templates"
+        )
+    # The named-templates form: [{"name": "default", "template": "..."}, ...].
+    named: dict[str, str] = {}
+    for entry in entries:
+        item = as_json_object(entry)
+        name = None if item is None else item.get("name")
+        template = None if item is None else item.get("template")
+        if not isinstance(name, str) or not isinstance(template, str):
+            raise ModelDirectoryError(
+                config_file,
+                "'chat_template' must be a string or a list of named templates "
+                '({"name": ..., "template": ...}, both strings)',
+            )
+        named[name] = template
+    return named
+
+
+def _template_tokens(config: dict[str, object], special: dict[str, str | None]) -> dict[str, str]:
+    # transformers' special_tokens_map, which apply_chat_template passes to the
+    # template: the named special tokens, plus the model-specific ones (the config's
+    # other "*_token" keys holding a string or an AddedToken, and the
+    # "extra_special_tokens" object), which nothing checks against the vocabulary.
+    def text(value: object) -> str | None:
+        if isinstance(value, str):
+            return value
+        item = as_json_object(value)
+        if item is not None and item.get("__type") == "AddedToken":
+            content = item.get("content")
+            return content if isinstance(content, str) else None
+        return None
+
+    tokens = {key: token for key, token in special.items() if token is not None}
+    for key, value in config.items():
+        if key.endswith("_token") and key not in _SPECIAL_TOKEN_KEYS:
+            token = text(value)
+            if token is not None:
+                tokens[key] = token
+    extra = as_json_object(config.get("extra_special_tokens"))
+    for key, value in (extra or {}).items():
+        token = text(value)
+        if token is not None:
+            tokens[key] = token
+    return tokens
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """Read the tokenizer of the model directory ``directory`` (a local path only).
 
@@ -126,23 +200,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
             raise ModelDirectoryError(
                 config_file, f"{key} {token!r} is not a token of tokenizer.json"
             )
-    template: object = config.get("chat_template")
-    entries = as_json_list(template)
-    if entries is not None:
-        # The named-templates form: [{"name": "default", "template": "..."}, ...].
-        named = [as_json_object(entry) for entry in entries]
-        template = next(
-            (e.get("template") for e in named if e is not None and e.get("name") == "default"),
-            None,
-        )
-    if template is not None and not isinstance(template, str):
-        raise ModelDirectoryError(config_file, "'chat_template' must be a string")
-    template_file = root / "chat_template.jinja"
-    if template is None and template_file.is_file():
-        try:
-            template = template_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ModelDirectoryError(template_file, f"cannot be read ({exc})") from exc
+    templates = _chat_templates(root, config, config_file)
     max_length = config.get("model_max_length")
     if max_length is not None and (
         not isinstance(max_length, int | float) or isinstance(max_length, bool) or max_length < 1
@@ -169,7 +227,9 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         directory=root,
         special_tokens=special,
         generation_eos_token_ids=eos_ids,
-        chat_template=template,
+        chat_template=templates.get("default"),
+        chat_templates=templates,
+        template_tokens=_template_tokens(config, special),
         # Huge sentinel values (1e30) mean "no limit" in transformers' configs.
         model_max_length=(
             int(max_length) if isinstance(max_length, int | float) and max_length < 1e12 else None

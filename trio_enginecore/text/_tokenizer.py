@@ -5,7 +5,7 @@ a wrapper of a loaded ``tokenizers.Tokenizer``; reading a model directory is
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, cast, final
 
@@ -55,7 +55,15 @@ class Tokenizer:
             neither names one. vLLM's frontend tells the engine this id.
         generation_eos_token_ids: every id of ``generation_config.json``'s
             ``eos_token_id`` (empty without the file).
-        chat_template: the Jinja chat template, if the directory has one.
+        chat_template: the Jinja chat template, if the directory has one (the one named
+            ``"default"`` where it has several).
+        chat_templates: every chat template of the directory, by name (transformers'
+            named templates: ``"default"``, ``"tool_use"``, ...; a single template is
+            ``"default"``). Empty if it has none.
+        template_tokens: the special tokens a chat template sees as variables
+            (transformers' ``special_tokens_map``): the named ones that are set
+            (``bos_token``, ``eos_token``, ...) and the model-specific ones
+            (``tokenizer_config.json``'s other ``*_token`` keys, ``image_token`` say).
         model_max_length: ``tokenizer_config.json``'s ``model_max_length``, if set.
         vocab_size: how many ids the tokenizer knows, added tokens included.
     """
@@ -68,6 +76,8 @@ class Tokenizer:
         special_tokens: dict[str, str | None],
         generation_eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        chat_templates: Mapping[str, str] | None = None,
+        template_tokens: Mapping[str, str] | None = None,
         model_max_length: int | None = None,
         clean_up_tokenization_spaces: bool = False,
     ) -> None:
@@ -76,6 +86,14 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.generation_eos_token_ids = tuple(generation_eos_token_ids)
         self.chat_template = chat_template
+        if chat_templates is None:
+            chat_templates = {} if chat_template is None else {"default": chat_template}
+        self.chat_templates: dict[str, str] = dict(chat_templates)
+        self.template_tokens: dict[str, str] = (
+            dict(template_tokens)
+            if template_tokens is not None
+            else {key: token for key, token in special_tokens.items() if token is not None}
+        )
         self.model_max_length = model_max_length
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         eos_token = special_tokens.get("eos_token")

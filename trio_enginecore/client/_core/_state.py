@@ -126,6 +126,8 @@ class ClientState:
         self.lifecycle = EngineLifecycle(self)
         """What an engine's death, silence or return does: the one writer of the
         engines' states."""
+        self.output_observers: list[Callable[[EngineCoreOutputs], None]] = []
+        """Called with every engine message of outputs, as it arrived, before routing."""
 
     # ---------------------------------------------------------------- queries
 
@@ -286,6 +288,8 @@ class ClientState:
             self.calls.resolve(message.utility_output)
             if not message.outputs:
                 return
+        if self.output_observers:
+            self._observe(message)
         outputs = message.outputs
         inflight = self.inflight
         self.outputs_received += len(outputs)
@@ -310,6 +314,17 @@ class ClientState:
             self.batched_outputs += len(batch)
             self.batches.put(message)
             self.wake_batch_readers()
+
+    def _observe(self, message: EngineCoreOutputs) -> None:
+        for observer in list(self.output_observers):
+            try:
+                observer(message)
+            except Exception:
+                # An observer's bug must not stop the engines' outputs reaching
+                # their requests: it is logged, and the observer is dropped.
+                logger.exception("dropping the output observer %r: it raised", observer)
+                if observer in self.output_observers:
+                    self.output_observers.remove(observer)
 
     def undecodable(self, error: ProtocolError) -> None:
         """An engine message could not be decoded: dropped, counted."""

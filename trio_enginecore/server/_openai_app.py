@@ -1,0 +1,840 @@
+"""The OpenAI-compatible routes, over the text layer: :class:`OpenAIApp`.
+
+One handler (``await app(request)``) for :func:`~._http.serve_http`. Generation
+routes take a slot (``max_concurrent_requests``; none left: 503 at once, nothing
+queued), tokenize and check the request here (a wrong request is a 400 before
+anything is sent), and stream from :meth:`AsyncLLM.generate`. A streamed response's
+body is an async generator that the HTTP server iterates from the connection's task:
+when the client goes away, the generator meets ``trio.Cancelled`` at its next
+checkpoint and leaving the ``generate`` block aborts the request on the engine.
+
+What differs from vLLM's server, and why: API-key failures answer an OpenAI-style
+body (vLLM's is ``{"error": "Unauthorized"}``), so that every error has one shape;
+chat templates render in the request's task (vLLM uses one worker thread: a template
+is sandboxed Jinja, milliseconds at most); a request's ``chat_template`` is honoured
+only with ``trust_request_chat_template``, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Final, cast, final
+
+import attrs
+import trio
+
+from ..errors import EngineDeadError, InvalidInputError, RequestFailedError
+from ..protocol import EngineCoreOutputs, SamplingParams
+from ..text import AsyncLLM, CompletionOutput, GenerationStream, RequestOutput
+from ..text._processor import child_request_id
+from ._chat_template import ChatTemplates, template_tools
+from ._http_messages import Request, Response
+from ._metrics import VllmMetrics
+from ._openai_requests import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    max_tokens_for,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from ._openai_responses import (
+    DONE,
+    ChatFrames,
+    CompletionFrames,
+    chat_response,
+    completion_response,
+    encode_json,
+    error_event,
+)
+
+__all__ = ["OpenAIApp", "ServerSettings"]
+
+logger = logging.getLogger("trio_enginecore.server")
+
+_JSON: Final = ("content-type", "application/json")
+_SSE: Final = ("content-type", "text/event-stream; charset=utf-8")
+_GUARDED_PREFIX: Final = "/v1"
+
+
+@final
+@attrs.frozen(kw_only=True)
+class ServerSettings:
+    """What the OpenAI server serves, and how (the ``api-server`` command's options)."""
+
+    served_model_names: tuple[str, ...] = attrs.field(
+        converter=tuple, validator=attrs.validators.min_len(1)
+    )
+    """The names clients give as ``model``; the first is the one responses name."""
+    model_root: str = ""
+    """Where the model comes from (``/v1/models``' ``root``): its directory."""
+    api_key: str | None = None
+    """Requests to ``/v1/...`` need ``Authorization: Bearer <api_key>``."""
+    max_concurrent_requests: int | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.gt(0)),  # pyright: ignore[reportUnknownArgumentType]
+    )
+    """Generation requests served at once; past it, 503 (nothing queued)."""
+    chat_template: str | None = None
+    """The chat template (a name of the model's, or a template's text) instead of the
+    model's own."""
+    trust_request_chat_template: bool = False
+    """Whether a request may bring its own ``chat_template``."""
+    response_role: str = "assistant"
+    """The role of chat answers (with ``add_generation_prompt``)."""
+
+
+class _Slots:
+    """Generation requests in flight, against ``max_concurrent_requests``."""
+
+    __slots__ = ("limit", "taken")
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def take(self) -> Callable[[], None]:
+        if self.limit is not None and self.taken >= self.limit:
+            raise ApiError(
+                f"the server is serving its maximum of {self.limit} concurrent requests; "
+                "retry later",
+                status=503,
+            )
+        self.taken += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.taken -= 1
+
+        return release
+
+
+@final
+class _Body(trio.abc.AsyncResource):
+    """A streamed body that releases its slot however it ends: iterated to the end,
+    closed, or never started (closing an async generator that never ran runs none of
+    its ``finally``)."""
+
+    __slots__ = ("_chunks", "_release")
+
+    def __init__(self, chunks: AsyncGenerator[bytes], release: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._release = release
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except BaseException:
+            self._release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            self._release()
+
+
+@attrs.define
+class _Prepared:
+    """One prompt of a generation request, tokenized and checked."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+@final
+class OpenAIApp:
+    """vLLM's OpenAI routes over an :class:`AsyncLLM`: ``response = await app(request)``.
+
+    Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
+    /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST
+    /detokenize``. Errors are OpenAI-style JSON bodies with vLLM's statuses; an engine
+    death fails the requests it held with 503 while the others are served.
+
+    Args:
+        llm: the text layer (its client serves every request).
+        settings: the names, key, limits and chat template.
+        metrics: the Prometheus metrics to keep (``GET /metrics``); made here by
+            default, from the engines' ready messages.
+    """
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        settings: ServerSettings,
+        *,
+        metrics: VllmMetrics | None = None,
+    ) -> None:
+        self.llm = llm
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self._names = frozenset(settings.served_model_names)
+        self.max_model_len = llm.max_model_len
+        engines = [e for e in getattr(llm.client, "engines", ()) if e is not None]
+        if metrics is None:
+            metrics = VllmMetrics(
+                model_name=self.model_name,
+                max_model_len=self.max_model_len or 0,
+                engine_indexes=[e.data_parallel_rank for e in engines] or [0],
+            )
+            for engine in engines:
+                info = getattr(engine, "cache_config_info", None)
+                if isinstance(info, dict) and info:
+                    try:
+                        metrics.set_cache_config_info(engine.data_parallel_rank, info)  # pyright: ignore[reportUnknownArgumentType]
+                    except ValueError:
+                        rank = engine.data_parallel_rank
+                        logger.warning("engine %d: its cache_config_info is not kept", rank)
+        self.metrics = metrics
+        self._stop_observing: Callable[[], None] | None = None
+        observe = getattr(llm.client, "observe_outputs", None)
+        if observe is not None:
+            self._stop_observing = observe(self._record)
+        self._templates = ChatTemplates.from_tokenizer(llm.tokenizer)
+        self._slots = _Slots(settings.max_concurrent_requests)
+        self._api_key_hash = (
+            None if settings.api_key is None else hashlib.sha256(settings.api_key.encode()).digest()
+        )
+        self._created = int(time.time())
+        self._routes: dict[str, tuple[str, Callable[[Request], Awaitable[Response]]]] = {
+            "/v1/completions": ("POST", self._completions),
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/models": ("GET", self._models),
+            "/health": ("GET", self._health),
+            "/metrics": ("GET", self._metrics),
+            "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
+        }
+
+    def close(self) -> None:
+        """Stop recording the engines' messages (the client lives on)."""
+        if self._stop_observing is not None:
+            self._stop_observing()
+            self._stop_observing = None
+
+    def _record(self, message: EngineCoreOutputs) -> None:
+        self.metrics.record_engine_outputs(message)
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Generation requests being served (slots taken)."""
+        return self._slots.taken
+
+    # ------------------------------------------------------------ dispatch
+
+    async def __call__(self, request: Request) -> Response:
+        """Answer one request (the :data:`~._http.Handler` of :func:`~._http.serve_http`)."""
+        path = request.path
+        route = self._routes.get(path)
+        if route is None:
+            return _json(404, {"detail": "Not Found"})
+        method, handler = route
+        if request.method != method and not (request.method == "HEAD" and method == "GET"):
+            return _json(405, {"detail": "Method Not Allowed"}, [("allow", method)])
+        guarded = self._api_key_hash is not None and path.startswith(_GUARDED_PREFIX)
+        if guarded and not self._authorized(request):
+            error = ApiError(
+                "Unauthorized: give the server's API key as 'Authorization: Bearer <key>'",
+                status=401,
+                error_type="Unauthorized",
+            )
+            return _error(error, [("www-authenticate", "Bearer")])
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return _error(error)
+        except InvalidInputError as error:
+            return _error(ApiError.from_invalid_input(error))
+        except EngineDeadError as error:
+            return _error(_engine_dead(error))
+        except RequestFailedError as error:
+            return _error(ApiError(str(error), status=500, error_type="InternalServerError"))
+
+    def _authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization")
+        if not header:
+            return False
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        assert self._api_key_hash is not None
+        return secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._api_key_hash)
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model not in self._names:
+            raise ApiError(
+                f"The model `{model}` does not exist. "
+                f"Valid aliases: {', '.join(self.settings.served_model_names)}.",
+                status=404,
+                param="model",
+                error_type="NotFoundError",
+            )
+
+    def _request_id(self, request: Request, given: str | None) -> str:
+        header = request.headers.get("x-request-id")
+        return header or given or uuid.uuid4().hex
+
+    # ------------------------------------------------------------ simple routes
+
+    async def _health(self, request: Request) -> Response:
+        await trio.lowlevel.checkpoint()
+        client = self.llm.client
+        failure = getattr(client, "failure", None)
+        if failure is not None:
+            return _error(ApiError(f"the engine is dead: {failure}", status=503))
+        return Response(200)
+
+    async def _models(self, request: Request) -> Response:
+        await trio.lowlevel.checkpoint()
+        created = int(time.time())
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": self.settings.model_root or name,
+                "parent": None,
+                "max_model_len": self.max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{uuid.uuid4().hex}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+            for name in self.settings.served_model_names
+        ]
+        return _json(200, {"object": "list", "data": cards})
+
+    async def _metrics(self, request: Request) -> Response:
+        await trio.lowlevel.checkpoint()
+        body, content_type = self.metrics.render_for(request.headers.get("accept"))
+        return Response(200, [("content-type", content_type)], body)
+
+    async def _tokenize(self, request: Request) -> Response:
+        await trio.lowlevel.checkpoint()
+        body = parse_tokenize(request.body)
+        self._check_model(body.model)
+        tokenizer = self.llm.tokenizer
+        if body.messages is not None:
+            template = self._template(body.chat_template, tools=bool(body.tools))
+            prompt = template.render(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tools=template_tools(body.tools) if body.tools else None,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            add_special = bool(body.add_special_tokens)
+        else:
+            assert body.prompt is not None
+            prompt = body.prompt
+            add_special = body.add_special_tokens is not False
+        tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
+        token_strs = (
+            [tokenizer.id_to_token(t) or "" for t in tokens] if body.return_token_strs else None
+        )
+        return _json(
+            200,
+            {
+                "count": len(tokens),
+                "max_model_len": self.max_model_len,
+                "tokens": tokens,
+                "token_strs": token_strs,
+            },
+        )
+
+    async def _detokenize(self, request: Request) -> Response:
+        await trio.lowlevel.checkpoint()
+        body = parse_detokenize(request.body)
+        self._check_model(body.model)
+        vocab = self.llm.tokenizer.vocab_size
+        if any(token >= vocab for token in body.tokens):
+            raise ApiError(
+                f"token ids must be below the vocabulary's size, {vocab}", param="tokens"
+            )
+        return _json(200, {"prompt": self.llm.tokenizer.decode(body.tokens)})
+
+    def _template(self, chat_template: str | None, *, tools: bool) -> Any:
+        if chat_template is not None and not self.settings.trust_request_chat_template:
+            raise ApiError(
+                "Chat template is passed with request, but --trust-request-chat-template "
+                "is not set. Refused request with untrusted chat template.",
+                param="chat_template",
+            )
+        return self._templates.select(chat_template or self.settings.chat_template, tools=tools)
+
+    # ------------------------------------------------------------ generation
+
+    def _prepare(
+        self,
+        prompt: str | list[int],
+        body: CompletionRequest | ChatRequest,
+        requested_max_tokens: int | None,
+        request_id: str,
+        *,
+        add_special_tokens: bool,
+    ) -> _Prepared:
+        tokenizer = self.llm.tokenizer
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text, token_ids = None, prompt
+        truncate = body.truncate_prompt_tokens
+        if truncate is not None and self.max_model_len is not None:
+            keep = self.max_model_len if truncate == -1 else truncate
+            if len(token_ids) > keep:
+                token_ids = token_ids[len(token_ids) - keep :] if keep else []
+                text = None
+        max_tokens = max_tokens_for(
+            self.max_model_len,
+            requested_max_tokens,
+            len(token_ids),
+        )
+        params = body.sampling_params(max_tokens)
+        if text is None and token_ids:
+            text = tokenizer.decode(token_ids)
+        return _Prepared(text, token_ids, params, request_id)
+
+    def _generate(self, prepared: _Prepared, request: Request, priority: int) -> Any:
+        prompt: dict[str, Any] = {"prompt_token_ids": prepared.token_ids}
+        if prepared.text is not None:
+            prompt["prompt"] = prepared.text
+        rank = request.headers.get("x-data-parallel-rank")
+        try:
+            data_parallel_rank = int(rank) if rank is not None else None
+        except ValueError:
+            raise ApiError(f"X-data-parallel-rank must be an integer, got {rank!r}") from None
+        return self.llm.generate(
+            prompt,  # type: ignore[arg-type]  # a TokensPrompt with its text
+            prepared.params,
+            request_id=prepared.request_id,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+        )
+
+    def _engine_ids(self, prepared: _Prepared) -> list[str]:
+        n = prepared.params.n
+        if n == 1:
+            return [prepared.request_id]
+        return [child_request_id(i, prepared.request_id) for i in range(n)]
+
+    async def _completions(self, request: Request) -> Response:
+        await trio.lowlevel.checkpoint()
+        body = parse_completion(request.body)
+        self._check_model(body.model)
+        prompts = body.prompts()
+        base_id = f"cmpl-{self._request_id(request, body.request_id)}"
+        add_special = body.add_special_tokens is not False
+        prepared = [
+            self._prepare(
+                prompt,
+                body,
+                body.max_tokens,
+                f"{base_id}-{i}",
+                add_special_tokens=add_special,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        blocks = [self._generate(p, request, body.priority) for p in prepared]
+        release = self._slots.take()
+        created = int(time.time())
+        if body.stream:
+            chunks = self._completion_events(body, base_id, created, prepared, blocks)
+            return Response(200, [_SSE], _Body(chunks, release))
+        try:
+            finals = await self._run_all(prepared, blocks)
+        finally:
+            release()
+        n = prepared[0].params.n
+        choices: list[tuple[int, CompletionOutput, list[int] | None]] = []
+        prompt_tokens = 0
+        for p_index, (one, last) in enumerate(zip(prepared, finals, strict=True)):
+            prompt_tokens += len(one.token_ids)
+            for output in sorted(last.outputs, key=lambda o: o.index):
+                if body.echo:
+                    output = _echoed(output, one, body.max_tokens == 0)
+                returned = one.token_ids if body.return_token_ids else None
+                choices.append((output.index + p_index * n, output, returned))
+        return Response(
+            200,
+            [_JSON],
+            completion_response(base_id, created, self.model_name, choices, prompt_tokens),
+        )
+
+    async def _run_all(self, prepared: list[_Prepared], blocks: list[Any]) -> list[RequestOutput]:
+        """Each prompt's final output (prompts one after another: all were sent first)."""
+        finals: list[RequestOutput] = []
+        for one, block in zip(prepared, blocks, strict=True):
+            finals.append(await self._run_one(one, block))
+        return finals
+
+    async def _run_one(self, prepared: _Prepared, block: Any) -> RequestOutput:
+        engine_ids = self._engine_ids(prepared)
+        self.metrics.add_request(
+            engine_ids, prompt_tokens=len(prepared.token_ids), max_tokens=prepared.params.max_tokens
+        )
+        last: RequestOutput | None = None
+        try:
+            async with block as outputs:
+                async for output in outputs:
+                    last = output
+        finally:
+            self._finish_metrics(engine_ids, last)
+        assert last is not None
+        _raise_if_error(last)
+        return last
+
+    def _finish_metrics(self, engine_ids: list[str], last: RequestOutput | None) -> None:
+        finished: dict[int, str] = {}
+        if last is not None:
+            for output in last.outputs:
+                if output.finish_reason is not None:
+                    finished[output.index] = output.finish_reason
+        for index, engine_id in enumerate(engine_ids):
+            reason = finished.get(index)
+            if reason is None or reason == "abort":
+                self.metrics.forget_request(engine_id)
+            else:
+                self.metrics.finish_request(engine_id, reason)
+
+    async def _completion_events(
+        self,
+        body: CompletionRequest,
+        request_id: str,
+        created: int,
+        prepared: list[_Prepared],
+        blocks: list[AbstractAsyncContextManager[GenerationStream]],
+    ) -> AsyncGenerator[bytes]:
+        frames = CompletionFrames(request_id, created, self.model_name)
+        n = prepared[0].params.n
+        plain = not body.echo and body.logprobs is None and not body.return_token_ids
+        continuous = body.continuous_usage
+        prompt_tokens = 0
+        completion_tokens = 0
+        try:
+            for p_index, (one, block) in enumerate(zip(prepared, blocks, strict=True)):
+                engine_ids = self._engine_ids(one)
+                self.metrics.add_request(
+                    engine_ids,
+                    prompt_tokens=len(one.token_ids),
+                    max_tokens=one.params.max_tokens,
+                )
+                prompt_tokens += len(one.token_ids)
+                generated = [0] * n
+                echoed = [False] * n
+                finished: dict[int, str] = {}
+                try:
+                    async with block as outputs:
+                        async for output in outputs:
+                            for completion in output.outputs:
+                                i = completion.index
+                                reason = completion.finish_reason
+                                if reason == "error":
+                                    raise _GenerationError
+                                text = completion.text
+                                token_ids: list[int] = completion.token_ids
+                                prompt_ids = None
+                                if body.echo and not echoed[i]:
+                                    echoed[i] = True
+                                    text = (one.text or "") + ("" if body.max_tokens == 0 else text)
+                                    token_ids = one.token_ids + (
+                                        [] if body.max_tokens == 0 else token_ids
+                                    )
+                                    prompt_ids = one.token_ids
+                                elif (
+                                    not text
+                                    and not token_ids
+                                    and not generated[i]
+                                    and reason is None
+                                ):
+                                    continue
+                                if body.return_token_ids and not echoed[i]:
+                                    echoed[i] = True
+                                    prompt_ids = one.token_ids
+                                new = len(completion.token_ids)
+                                generated[i] += new
+                                completion_tokens += new
+                                choice = i + p_index * n
+                                if reason is not None:
+                                    finished[i] = reason
+                                if plain and not continuous and reason is None:
+                                    yield frames.delta(choice, text)
+                                    continue
+                                usage_so_far = None
+                                if continuous:
+                                    usage_so_far = {
+                                        "prompt_tokens": len(one.token_ids),
+                                        "total_tokens": len(one.token_ids) + generated[i],
+                                        "completion_tokens": generated[i],
+                                    }
+                                yield frames.chunk(
+                                    choice,
+                                    text,
+                                    reason,
+                                    completion.stop_reason,
+                                    usage_so_far=usage_so_far,
+                                    token_ids=token_ids if body.return_token_ids else None,
+                                    prompt_token_ids=prompt_ids,
+                                )
+                finally:
+                    self._finish_streamed(engine_ids, finished)
+            if body.include_usage:
+                yield frames.usage(prompt_tokens, completion_tokens)
+        except _GenerationError:
+            yield error_event("Internal server error", 500, "InternalServerError")
+        except EngineDeadError as error:
+            dead = _engine_dead(error)
+            yield error_event(dead.message, dead.status, dead.error_type)
+        except RequestFailedError as error:
+            yield error_event(str(error), 500, "InternalServerError")
+        yield DONE
+
+    def _finish_streamed(self, engine_ids: list[str], finished: dict[int, str]) -> None:
+        for index, engine_id in enumerate(engine_ids):
+            reason = finished.get(index)
+            if reason is None or reason == "abort":
+                self.metrics.forget_request(engine_id)
+            else:
+                self.metrics.finish_request(engine_id, reason)
+
+    async def _chat(self, request: Request) -> Response:
+        await trio.lowlevel.checkpoint()
+        body = parse_chat(request.body)
+        self._check_model(body.model)
+        template = self._template(body.chat_template, tools=bool(body.tools))
+        messages: list[Any] = body.messages
+        prompt = template.render(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=template_tools(body.tools) if body.tools else None,
+            documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        request_id = f"chatcmpl-{self._request_id(request, body.request_id)}"
+        prepared = self._prepare(
+            prompt,
+            body,
+            body.requested_max_tokens,
+            request_id,
+            add_special_tokens=bool(body.add_special_tokens),
+        )
+        role = self.settings.response_role
+        last_role = _last_field(messages, "role")
+        if not body.add_generation_prompt and isinstance(last_role, str):
+            role = last_role
+        echo_text = ""
+        if body.echo and last_role == role:
+            content = _last_field(messages, "content")
+            echo_text = content if isinstance(content, str) else ""
+        block = self._generate(prepared, request, body.priority)
+        release = self._slots.take()
+        created = int(time.time())
+        if body.stream:
+            chunks = self._chat_events(body, prepared, block, created, role, echo_text)
+            return Response(200, [_SSE], _Body(chunks, release))
+        try:
+            final = await self._run_one(prepared, block)
+        finally:
+            release()
+        choices: list[tuple[int, CompletionOutput]] = []
+        for output in sorted(final.outputs, key=lambda o: o.index):
+            if echo_text:
+                output = CompletionOutput(
+                    output.index,
+                    echo_text + output.text,
+                    output.token_ids,
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            choices.append((output.index, output))
+        return Response(
+            200,
+            [_JSON],
+            chat_response(
+                request_id,
+                created,
+                self.model_name,
+                choices,
+                len(prepared.token_ids),
+                role=role,
+                token_ids=bool(body.return_token_ids),
+                prompt_token_ids=prepared.token_ids if body.return_token_ids else None,
+            ),
+        )
+
+    async def _chat_events(
+        self,
+        body: ChatRequest,
+        prepared: _Prepared,
+        block: AbstractAsyncContextManager[GenerationStream],
+        created: int,
+        role: str,
+        echo_text: str,
+    ) -> AsyncGenerator[bytes]:
+        frames = ChatFrames(prepared.request_id, created, self.model_name)
+        n = prepared.params.n
+        prompt_tokens = len(prepared.token_ids)
+        continuous = body.continuous_usage
+        plain = not body.logprobs and not body.return_token_ids and not continuous
+        generated = [0] * n
+        sent_finish = [False] * n
+        finished: dict[int, str] = {}
+        engine_ids = self._engine_ids(prepared)
+        self.metrics.add_request(
+            engine_ids, prompt_tokens=prompt_tokens, max_tokens=prepared.params.max_tokens
+        )
+        first = True
+        try:
+            try:
+                async with block as outputs:
+                    async for output in outputs:
+                        if first:
+                            first = False
+                            for i in range(n):
+                                yield frames.role(
+                                    i,
+                                    role,
+                                    usage_so_far=_usage(prompt_tokens, 0) if continuous else None,
+                                    prompt_token_ids=(
+                                        prepared.token_ids if body.return_token_ids else None
+                                    ),
+                                )
+                            if echo_text:
+                                for i in range(n):
+                                    yield frames.chunk(
+                                        i,
+                                        echo_text,
+                                        None,
+                                        None,
+                                        usage_so_far=(
+                                            _usage(prompt_tokens, 0) if continuous else None
+                                        ),
+                                    )
+                        for completion in output.outputs:
+                            i = completion.index
+                            if sent_finish[i]:
+                                continue
+                            reason = completion.finish_reason
+                            if reason == "error":
+                                raise _GenerationError
+                            text = completion.text
+                            if (
+                                not text
+                                and not completion.token_ids
+                                and not generated[i]
+                                and reason is None
+                            ):
+                                continue
+                            empty = not text and not completion.token_ids and not generated[i]
+                            generated[i] += len(completion.token_ids)
+                            if reason is None and plain:
+                                yield frames.delta(i, text)
+                                continue
+                            if reason is not None:
+                                sent_finish[i] = True
+                                finished[i] = reason
+                            yield frames.chunk(
+                                i,
+                                None if empty else text,
+                                reason,
+                                completion.stop_reason,
+                                usage_so_far=(
+                                    _usage(prompt_tokens, generated[i]) if continuous else None
+                                ),
+                                token_ids=completion.token_ids if body.return_token_ids else None,
+                            )
+            finally:
+                self._finish_streamed(engine_ids, finished)
+            if body.include_usage:
+                yield frames.usage(prompt_tokens, sum(generated))
+        except _GenerationError:
+            yield error_event("Internal server error", 500, "InternalServerError")
+        except EngineDeadError as error:
+            dead = _engine_dead(error)
+            yield error_event(dead.message, dead.status, dead.error_type)
+        except RequestFailedError as error:
+            yield error_event(str(error), 500, "InternalServerError")
+        yield DONE
+
+
+class _GenerationError(Exception):
+    """An engine request finished with ``finish_reason="error"``."""
+
+
+def _raise_if_error(output: RequestOutput) -> None:
+    if any(o.finish_reason == "error" for o in output.outputs):
+        raise ApiError("Internal server error", status=500, error_type="InternalServerError")
+
+
+def _echoed(output: CompletionOutput, prepared: _Prepared, prompt_only: bool) -> CompletionOutput:
+    text = (prepared.text or "") + ("" if prompt_only else output.text)
+    return CompletionOutput(
+        output.index,
+        text,
+        output.token_ids,
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+    )
+
+
+def _last_field(messages: list[Any], key: str) -> object:
+    """A field of the last message, if it is an object that has it."""
+    if not messages or not isinstance(messages[-1], dict):
+        return None
+    last = cast("dict[str, object]", messages[-1])
+    return last.get(key)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def _engine_dead(error: EngineDeadError) -> ApiError:
+    return ApiError(
+        f"the engine serving this request died: {error}",
+        status=503,
+        error_type="ServiceUnavailableError",
+    )
+
+
+def _json(status: int, payload: object, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(status, [_JSON, *headers], encode_json(payload))
+
+
+def _error(error: ApiError, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(error.status, [_JSON, *headers], error.body())

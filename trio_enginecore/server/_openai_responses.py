@@ -1,0 +1,412 @@
+"""OpenAI response bodies and Server-Sent Events, byte for byte as vLLM 0.34 writes them
+(pure).
+
+vLLM serialises a whole response with ``json.dumps(model_dump(), ensure_ascii=False,
+separators=(",", ":"))`` (Starlette's ``JSONResponse``) and each streamed chunk with
+pydantic's ``model_dump_json(exclude_unset=True)``: compact JSON, non-ASCII text as
+UTF-8, the fields in its models' order, the fields a chunk's constructor set written
+even when null. The interop suite holds these functions to the bytes vLLM's own
+server answers the same requests with (``tests/interop/test_openai_server_differential.py``).
+
+Streaming is where the server spends its time, so a stream's constant parts are
+encoded once (:class:`CompletionFrames`, :class:`ChatFrames`): a chunk of new text is
+then a join of five byte strings and one JSON string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final, final
+
+import msgspec
+
+from ..text import CompletionOutput, RequestOutput
+
+__all__ = [
+    "DONE",
+    "ChatFrames",
+    "CompletionFrames",
+    "chat_response",
+    "completion_response",
+    "encode_json",
+    "usage",
+]
+
+DONE: Final = b"data: [DONE]\n\n"
+"""The last event of every stream."""
+
+_encoder = msgspec.json.Encoder()
+encode_json = _encoder.encode
+"""Compact JSON, UTF-8 (not escaped to ASCII), as ``json.dumps(..., ensure_ascii=False,
+separators=(",", ":"))`` writes strings, ints, lists and dicts."""
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` as ``model_dump`` gives it (``prompt_tokens_details``
+    left out when null, as its ``exclude_if`` says)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "completion_tokens_details": None,
+    }
+
+
+def _usage_without_nulls(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def _split_template(frame: bytes, index_probe: bytes, text_probe: bytes) -> tuple[bytes, ...]:
+    prefix, rest = frame.split(index_probe, 1)
+    infix, suffix = rest.split(text_probe, 1)
+    return prefix, infix, suffix
+
+
+_INDEX_PROBE: Final = 987654321
+_TEXT_PROBE: Final = "\x00probe\x00"
+
+
+# ------------------------------------------------------------------ completions
+
+
+def completion_response(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[tuple[int, CompletionOutput, list[int] | None]],
+    prompt_tokens: int,
+) -> bytes:
+    """A whole ``/v1/completions`` response (``CompletionResponse.model_dump()``).
+
+    ``choices``: per choice, its index, its final output, and the prompt's token ids
+    when they are to be returned (``return_token_ids``)."""
+    completion_tokens = 0
+    body_choices: list[dict[str, Any]] = []
+    for index, output, prompt_token_ids in choices:
+        completion_tokens += len(output.token_ids)
+        body_choices.append(
+            {
+                "index": index,
+                "text": output.text,
+                "logprobs": None,
+                "finish_reason": output.finish_reason,
+                "stop_reason": output.stop_reason,
+                "token_ids": output.token_ids if prompt_token_ids is not None else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_token_ids,
+                "routed_experts": None,
+                "weight_versions": None,
+            }
+        )
+    return _encoder.encode(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": body_choices,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage(prompt_tokens, completion_tokens),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+    )
+
+
+@final
+class CompletionFrames:
+    """The events of one streamed ``/v1/completions`` response."""
+
+    __slots__ = ("_head", "_infix", "_suffix", "created", "model", "request_id")
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        probe = self._chunk(_INDEX_PROBE, _TEXT_PROBE, None, None)
+        self._head, self._infix, self._suffix = _split_template(
+            probe, str(_INDEX_PROBE).encode(), _encoder.encode(_TEXT_PROBE)
+        )
+
+    def _chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        *,
+        usage_so_far: dict[str, Any] | None = None,
+        token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> bytes:
+        payload: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                    "prompt_token_ids": prompt_token_ids,
+                    "token_ids": token_ids,
+                    "weight_versions": None,
+                }
+            ],
+        }
+        if usage_so_far is not None:
+            payload["usage"] = usage_so_far
+        payload["kv_transfer_params"] = None
+        return _event(payload)
+
+    def delta(self, index: int, text: str) -> bytes:
+        """A chunk of new text of choice ``index``, not its last."""
+        return b"".join(
+            (self._head, str(index).encode(), self._infix, _encoder.encode(text), self._suffix)
+        )
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        *,
+        usage_so_far: dict[str, Any] | None = None,
+        token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> bytes:
+        """Any chunk of choice ``index``: the last one (with its finish reason), one with
+        the usage so far (``continuous_usage_stats``) or with token ids
+        (``return_token_ids``)."""
+        return self._chunk(
+            index,
+            text,
+            finish_reason,
+            stop_reason,
+            usage_so_far=usage_so_far,
+            token_ids=token_ids,
+            prompt_token_ids=prompt_token_ids,
+        )
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last chunk with ``include_usage``: no choices, the usage (nulls left out)."""
+        return _event(
+            {
+                "id": self.request_id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": _usage_without_nulls(prompt_tokens, completion_tokens),
+            }
+        )
+
+
+# ------------------------------------------------------------------ chat
+
+
+def chat_response(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[tuple[int, CompletionOutput]],
+    prompt_tokens: int,
+    *,
+    role: str = "assistant",
+    token_ids: bool = False,
+    prompt_token_ids: list[int] | None = None,
+) -> bytes:
+    """A whole ``/v1/chat/completions`` response (``ChatCompletionResponse.model_dump()``)."""
+    completion_tokens = 0
+    body_choices: list[dict[str, Any]] = []
+    for index, output in choices:
+        completion_tokens += len(output.token_ids)
+        body_choices.append(
+            {
+                "index": index,
+                "message": {
+                    "role": role,
+                    "content": output.text,
+                    "refusal": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": output.finish_reason,
+                "stop_reason": output.stop_reason,
+                "token_ids": output.token_ids if token_ids else None,
+                "routed_experts": None,
+                "weight_versions": None,
+            }
+        )
+    return _encoder.encode(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": body_choices,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage(prompt_tokens, completion_tokens),
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt_token_ids,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+    )
+
+
+@final
+class ChatFrames:
+    """The events of one streamed ``/v1/chat/completions`` response."""
+
+    __slots__ = ("_head", "_infix", "_suffix", "created", "model", "request_id")
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        probe = self._chunk(_INDEX_PROBE, {"content": _TEXT_PROBE}, None, None, final=False)
+        self._head, self._infix, self._suffix = _split_template(
+            probe, str(_INDEX_PROBE).encode(), _encoder.encode(_TEXT_PROBE)
+        )
+
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        *,
+        final: bool,
+        usage_so_far: dict[str, Any] | None = None,
+        token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> bytes:
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        if final:
+            choice["stop_reason"] = stop_reason
+        choice["token_ids"] = token_ids
+        if final:
+            choice["weight_versions"] = None
+        payload: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if usage_so_far is not None:
+            payload["usage"] = usage_so_far
+        if prompt_token_ids is not None:
+            payload["prompt_token_ids"] = prompt_token_ids
+        payload["kv_transfer_params"] = None
+        return _event(payload)
+
+    def role(
+        self,
+        index: int,
+        role: str = "assistant",
+        *,
+        usage_so_far: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> bytes:
+        """The first chunk of choice ``index``: its role and empty content."""
+        payload: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"role": role, "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+        if usage_so_far is not None:
+            payload["usage"] = usage_so_far
+        payload["prompt_token_ids"] = prompt_token_ids
+        payload["prompt_text"] = None
+        return _event(payload)
+
+    def delta(self, index: int, text: str) -> bytes:
+        """A chunk of new content of choice ``index``, not its last."""
+        return b"".join(
+            (self._head, str(index).encode(), self._infix, _encoder.encode(text), self._suffix)
+        )
+
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        *,
+        usage_so_far: dict[str, Any] | None = None,
+        token_ids: list[int] | None = None,
+    ) -> bytes:
+        """Any content chunk of choice ``index``: the last one (``finish_reason`` set;
+        ``text`` None for an empty delta), or one with the usage so far or token ids."""
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        return self._chunk(
+            index,
+            delta,
+            finish_reason,
+            stop_reason,
+            final=finish_reason is not None,
+            usage_so_far=usage_so_far,
+            token_ids=token_ids,
+        )
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last chunk with ``include_usage``: no choices, the usage (nulls left out)."""
+        return _event(
+            {
+                "id": self.request_id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": _usage_without_nulls(prompt_tokens, completion_tokens),
+            }
+        )
+
+
+def error_event(message: str, status: int, error_type: str) -> bytes:
+    """An error in the middle of a stream, as vLLM sends it (``data: {"error": ...}``)."""
+    error = {"message": message, "type": error_type, "param": None, "code": status}
+    return _event({"error": error})
+
+
+def output_of(output: RequestOutput, index: int) -> CompletionOutput | None:
+    """The sequence ``index`` of ``output``, if it carries it."""
+    for completion in output.outputs:
+        if completion.index == index:
+            return completion
+    return None

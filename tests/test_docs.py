@@ -36,6 +36,18 @@ TUTORIAL_TIMEOUT_S = 60
 # tutorial needs an entry here (the test says so); keep the fragments to what does not
 # vary between runs (no pids, no timings).
 EXPECTED_OUTPUT: dict[str, list[str]] = {
+    "openai_server": [
+        "server: http://127.0.0.1:",
+        "completion: ' wer runs is stead and your bridge' stop 35",
+        "chat finished: length",
+        "usage chunk: 42 24",
+        "chat: 'hrequeste side in for ow'",
+        "refused: 400 n must be at least 1, got 0",
+        "curl: ' wer run'",
+        'metrics: vllm:request_success_total{engine="0",finished_reason="stop",'
+        'model_name="ngram"} 1.0',
+        "exit code: 0",
+    ],
     "text": [
         "complete: 'The river which that frame dies",
         "stream: 'Tea ishes stoeses its will waitinside",
@@ -317,7 +329,9 @@ def test_every_public_name_of_a_public_module_is_documented(module_name: str) ->
     assert not missing, f"names in {module.__name__}.__all__ with no autodoc directive: {missing}"
 
 
-@pytest.mark.parametrize("module_name", ["client", "coordinator", "engine", "testing", "text"])
+@pytest.mark.parametrize(
+    "module_name", ["client", "coordinator", "engine", "testing", "text", "server"]
+)
 def test_every_public_name_of_a_subpackage_is_documented(module_name: str) -> None:
     """As for the top level: each name of the namespace's ``__all__`` (held by
     ``tests/test_layout.py``) has an autodoc directive, under whichever name."""
@@ -742,7 +756,7 @@ def readme_first_screen() -> str:
 
 
 def test_the_readmes_first_screen_is_a_pitch_an_example_two_commands_and_links() -> None:
-    """The example and its output are run by ``tests/text/test_llm.py``."""
+    """The example and its output are run by ``tests/server/test_readme_example.py``."""
     screen = readme_first_screen()
     assert len(screen.splitlines()) <= 45, "the first screen is longer than a screen"
     assert screen.index("```python\n") < screen.index("```text\n"), "an example, then its output"

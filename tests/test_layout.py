@@ -199,6 +199,40 @@ def test_a_pure_text_module_does_no_io_and_needs_no_trio(module: str) -> None:
     assert not faces, f"{module} depends on {faces}"
 
 
+SERVER = PACKAGE / "server"
+SERVER_PURE_MODULES = [
+    f"trio_enginecore.server.{name}"
+    for name in (
+        "_chat_template",
+        "_http_messages",
+        "_metrics",
+        "_openai_requests",
+        "_openai_responses",
+    )
+]
+SERVER_IO_MODULES = {"_http", "_openai_app", "_command"}
+
+
+def test_the_server_room_is_its_pure_parts_and_its_io() -> None:
+    modules = {p.stem for p in SERVER.glob("*.py") if p.name != "__init__.py"}
+    assert modules == {name.rpartition(".")[2] for name in SERVER_PURE_MODULES} | (
+        SERVER_IO_MODULES
+    )
+
+
+@pytest.mark.parametrize("module", SERVER_PURE_MODULES)
+def test_a_pure_server_module_does_no_io_and_needs_no_trio(module: str) -> None:
+    depends_on, external = _closure(module)
+    assert not external & (IO_MODULES | {"trio", "h11"}), f"{module} reaches {sorted(external)}"
+    faces = sorted(
+        name
+        for name in depends_on
+        if name.startswith("trio_enginecore.client")
+        or name.rpartition(".")[2] in SERVER_IO_MODULES | {"_llm", "_sync", "_model_dir"}
+    )
+    assert not faces, f"{module} depends on {faces}"
+
+
 def test_the_io_check_sees_io() -> None:
     """The checks above can fail: the ZeroMQ transport is caught by them."""
     _, external = _closure("trio_enginecore.client._multiprocess._receive")
@@ -229,6 +263,22 @@ EXPORTS = {
         "builtin_tokenizer",
         "load_tokenizer",
         "open_llm",
+    },
+    "trio_enginecore.server": {
+        "ApiError",
+        "ChatTemplate",
+        "ChatTemplateError",
+        "ChatTemplates",
+        "Headers",
+        "HttpLimits",
+        "HttpServer",
+        "HttpServerStatistics",
+        "OpenAIApp",
+        "Request",
+        "Response",
+        "ServerSettings",
+        "VllmMetrics",
+        "serve_http",
     },
     "trio_enginecore.client": {
         "AsyncEngineCoreClient",

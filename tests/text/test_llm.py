@@ -7,11 +7,7 @@ Timing rules: engines run on this machine's two cores; no test asserts a duratio
 from __future__ import annotations
 
 import random
-import re
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import trio
@@ -200,23 +196,6 @@ def test_the_blocking_face_serves_several_threads() -> None:
             llm.generate("hi", n=0)
     assert len(results) == 4
     assert all(results.values())
-
-
-def test_the_readmes_text_example_prints_what_the_readme_says(tmp_path: Path) -> None:
-    """The README's first program (on its first screen), and the output shown after it."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    shown = re.search(
-        r"```python\n(?P<program>.*?)```\n.*?```text\n(?P<output>.*?)```", readme, re.S
-    )
-    assert shown is not None
-    assert readme.index("```python") < readme.index("\n## "), "not on the first screen"
-    assert len(shown["program"].splitlines()) <= 12
-    script = tmp_path / "readme_example.py"
-    script.write_text(shown["program"])
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert result.stdout == shown["output"]
 
 
 async def test_text_over_a_data_parallel_group_pins_ranks_and_balances() -> None:

@@ -50,7 +50,9 @@ from ._openai_responses import (
     DONE,
     ChatFrames,
     CompletionFrames,
+    chat_logprobs,
     chat_response,
+    completion_logprobs,
     completion_response,
     encode_json,
     error_event,
@@ -208,6 +210,10 @@ class OpenAIApp:
         if observe is not None:
             self._stop_observing = observe(self._record)
         self._templates = ChatTemplates.from_tokenizer(llm.tokenizer)
+        # The longest token's text: no prompt of more characters than this many per
+        # token of the model's length can fit (vLLM's max_chars_per_token).
+        vocab: dict[str, int] = llm.tokenizer.backend.get_vocab(with_added_tokens=True)
+        self._max_chars_per_token = max(map(len, vocab), default=1)
         self._slots = _Slots(settings.max_concurrent_requests)
         self._api_key_hash = (
             None if settings.api_key is None else hashlib.sha256(settings.api_key.encode()).digest()
@@ -358,6 +364,7 @@ class OpenAIApp:
             assert body.prompt is not None
             prompt = body.prompt
             add_special = body.add_special_tokens is not False
+        self._check_text_length(prompt)
         tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
         token_strs = (
             [tokenizer.id_to_token(t) or "" for t in tokens] if body.return_token_strs else None
@@ -405,6 +412,7 @@ class OpenAIApp:
     ) -> _Prepared:
         tokenizer = self.llm.tokenizer
         if isinstance(prompt, str):
+            self._check_text_length(prompt)
             text: str | None = prompt
             token_ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
@@ -424,6 +432,41 @@ class OpenAIApp:
         if text is None and token_ids:
             text = tokenizer.decode(token_ids)
         return _Prepared(text, token_ids, params, request_id)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.llm.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _echo_positions(
+        body: CompletionRequest,
+        prepared: _Prepared,
+        output: CompletionOutput,
+        prompt_logprobs: list[Any] | None,
+    ) -> tuple[list[int], list[Any]]:
+        """The token ids and logprob positions a choice reports: with ``echo``, the
+        prompt's first (and only those with ``max_tokens=0``)."""
+        token_ids, positions = output.token_ids, list(output.logprobs or [])
+        if not body.echo:
+            return token_ids, positions
+        prompt_positions = list(prompt_logprobs or [None] * len(prepared.token_ids))
+        if body.max_tokens == 0:
+            return list(prepared.token_ids), prompt_positions
+        return prepared.token_ids + token_ids, prompt_positions + positions
+
+    def _check_text_length(self, text: str) -> None:
+        """Refuse a prompt too long to fit before tokenizing it (vLLM's check: a huge
+        body would otherwise hold the event loop while it is tokenized)."""
+        if self.max_model_len is None:
+            return
+        limit = self.max_model_len * self._max_chars_per_token
+        if len(text) > limit:
+            raise ApiError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt contains {len(text)} characters (more than {limit} "
+                f"characters, which is the upper bound for {self.max_model_len} input "
+                "tokens). Please reduce the length of the input prompt.",
+                param="input_text",
+            )
 
     def _generate(self, prepared: _Prepared, request: Request, priority: int) -> Any:
         prompt: dict[str, Any] = {"prompt_token_ids": prepared.token_ids}
@@ -476,15 +519,23 @@ class OpenAIApp:
         finally:
             release()
         n = prepared[0].params.n
-        choices: list[tuple[int, CompletionOutput, list[int] | None]] = []
+        choices: list[tuple[int, CompletionOutput, list[int] | None, dict[str, Any] | None]] = []
         prompt_tokens = 0
         for p_index, (one, last) in enumerate(zip(prepared, finals, strict=True)):
             prompt_tokens += len(one.token_ids)
             for output in sorted(last.outputs, key=lambda o: o.index):
+                logprobs = None
+                if body.logprobs is not None:
+                    token_ids, positions = self._echo_positions(
+                        body, one, output, last.prompt_logprobs
+                    )
+                    logprobs, _ = completion_logprobs(
+                        token_ids, positions, body.logprobs, 0, self._decode_one
+                    )
                 if body.echo:
                     output = _echoed(output, one, body.max_tokens == 0)
                 returned = one.token_ids if body.return_token_ids else None
-                choices.append((output.index + p_index * n, output, returned))
+                choices.append((output.index + p_index * n, output, returned, logprobs))
         return Response(
             200,
             [_JSON],
@@ -552,6 +603,7 @@ class OpenAIApp:
                 prompt_tokens += len(one.token_ids)
                 generated = [0] * n
                 echoed = [False] * n
+                offsets = [0] * n
                 finished: dict[int, str] = {}
                 try:
                     async with block as outputs:
@@ -563,12 +615,13 @@ class OpenAIApp:
                                     raise _GenerationError
                                 text = completion.text
                                 token_ids: list[int] = completion.token_ids
+                                positions: list[Any] = list(completion.logprobs or [])
                                 prompt_ids = None
                                 if body.echo and not echoed[i]:
                                     echoed[i] = True
                                     text = (one.text or "") + ("" if body.max_tokens == 0 else text)
-                                    token_ids = one.token_ids + (
-                                        [] if body.max_tokens == 0 else token_ids
+                                    token_ids, positions = self._echo_positions(
+                                        body, one, completion, output.prompt_logprobs
                                     )
                                     prompt_ids = one.token_ids
                                 elif (
@@ -597,6 +650,15 @@ class OpenAIApp:
                                         "total_tokens": len(one.token_ids) + generated[i],
                                         "completion_tokens": generated[i],
                                     }
+                                logprobs = None
+                                if body.logprobs is not None:
+                                    logprobs, offsets[i] = completion_logprobs(
+                                        token_ids,
+                                        positions,
+                                        body.logprobs,
+                                        offsets[i],
+                                        self._decode_one,
+                                    )
                                 yield frames.chunk(
                                     choice,
                                     text,
@@ -605,6 +667,7 @@ class OpenAIApp:
                                     usage_so_far=usage_so_far,
                                     token_ids=token_ids if body.return_token_ids else None,
                                     prompt_token_ids=prompt_ids,
+                                    logprobs=logprobs,
                                 )
                 finally:
                     self._finish_streamed(engine_ids, finished)
@@ -667,8 +730,16 @@ class OpenAIApp:
             final = await self._run_one(prepared, block)
         finally:
             release()
-        choices: list[tuple[int, CompletionOutput]] = []
+        choices: list[tuple[int, CompletionOutput, dict[str, Any] | None]] = []
         for output in sorted(final.outputs, key=lambda o: o.index):
+            logprobs = None
+            if body.logprobs:
+                logprobs = chat_logprobs(
+                    output.token_ids,
+                    list(output.logprobs or []),
+                    body.top_logprobs,
+                    self._decode_one,
+                )
             if echo_text:
                 output = CompletionOutput(
                     output.index,
@@ -677,7 +748,7 @@ class OpenAIApp:
                     finish_reason=output.finish_reason,
                     stop_reason=output.stop_reason,
                 )
-            choices.append((output.index, output))
+            choices.append((output.index, output, logprobs))
         return Response(
             200,
             [_JSON],
@@ -764,6 +835,14 @@ class OpenAIApp:
                             if reason is not None:
                                 sent_finish[i] = True
                                 finished[i] = reason
+                            logprobs = None
+                            if body.logprobs:
+                                logprobs = chat_logprobs(
+                                    completion.token_ids,
+                                    list(completion.logprobs or []),
+                                    body.top_logprobs,
+                                    self._decode_one,
+                                )
                             yield frames.chunk(
                                 i,
                                 None if empty else text,
@@ -773,6 +852,7 @@ class OpenAIApp:
                                     _usage(prompt_tokens, generated[i]) if continuous else None
                                 ),
                                 token_ids=completion.token_ids if body.return_token_ids else None,
+                                logprobs=logprobs,
                             )
             finally:
                 self._finish_streamed(engine_ids, finished)

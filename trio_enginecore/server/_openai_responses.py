@@ -15,20 +15,26 @@ then a join of five byte strings and one JSON string.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import json
+from collections.abc import Callable, Sequence
 from typing import Any, Final, final
 
 import msgspec
 
-from ..text import CompletionOutput, RequestOutput
+from ..text._logprobs import Logprob
+from ..text._outputs import CompletionOutput, RequestOutput
 
 __all__ = [
     "DONE",
     "ChatFrames",
     "CompletionFrames",
+    "chat_logprobs",
     "chat_response",
+    "completion_logprobs",
     "completion_response",
     "encode_json",
+    "error_event",
     "usage",
 ]
 
@@ -36,9 +42,13 @@ DONE: Final = b"data: [DONE]\n\n"
 """The last event of every stream."""
 
 _encoder = msgspec.json.Encoder()
-encode_json = _encoder.encode
-"""Compact JSON, UTF-8 (not escaped to ASCII), as ``json.dumps(..., ensure_ascii=False,
-separators=(",", ":"))`` writes strings, ints, lists and dicts."""
+
+
+def encode_json(payload: object) -> bytes:
+    """A whole response's body as Starlette's ``JSONResponse`` writes it:
+    ``json.dumps(payload, ensure_ascii=False, separators=(",", ":"))`` (floats as Python
+    writes them: ``1e-05``; a streamed chunk's are pydantic's, ``0.00001``)."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -74,6 +84,115 @@ _INDEX_PROBE: Final = 987654321
 _TEXT_PROBE: Final = "\x00probe\x00"
 
 
+# ------------------------------------------------------------------ logprobs
+
+_FLOOR: Final = -9999.0  # what OpenAI writes for -inf (JSON has no infinities)
+
+Decode = Callable[[int], str]
+"""A token's text, for positions whose logprobs carry none (``tokenizer.decode``)."""
+
+
+def _token_text(logprob: Logprob, token_id: int, decode: Decode) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else decode(token_id)
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    positions: Sequence[dict[int, Logprob] | None],
+    num_logprobs: int | None,
+    text_offset: int,
+    decode: Decode,
+) -> tuple[dict[str, Any], int]:
+    """``/v1/completions``' ``logprobs`` of some positions (vLLM's
+    ``_create_completion_logprobs``): the chosen tokens, their logprobs, the first
+    ``num_logprobs + 1`` candidates of each (all with -1), and where each token's text
+    starts, from ``text_offset``; and the offset after the last token."""
+    offsets: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    tops: list[dict[str, float] | None] = []
+    limit = None if num_logprobs is None or num_logprobs == -1 else max(num_logprobs + 1, 0)
+    last_length = 0
+    for i, token_id in enumerate(token_ids):
+        step = positions[i] if i < len(positions) else None
+        if step is None:
+            token = decode(token_id)
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            chosen = step[token_id]
+            token = _token_text(chosen, token_id, decode)
+            token_logprobs.append(max(chosen.logprob, _FLOOR))
+            tops.append(
+                {
+                    _token_text(candidate, candidate_id, decode): max(candidate.logprob, _FLOOR)
+                    for candidate_id, candidate in itertools.islice(step.items(), limit)
+                }
+            )
+        tokens.append(token)
+        offsets.append(text_offset if not offsets else offsets[-1] + last_length)
+        last_length = len(token)
+    following = offsets[-1] + last_length if offsets else text_offset
+    return (
+        {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": tops,
+        },
+        following,
+    )
+
+
+def chat_logprobs(
+    token_ids: Sequence[int],
+    positions: Sequence[dict[int, Logprob] | None],
+    top_logprobs: int | None,
+    decode: Decode,
+) -> dict[str, Any]:
+    """``/v1/chat/completions``' ``logprobs`` of some positions (vLLM's
+    ``_create_chat_logprobs``): each chosen token with its logprob and UTF-8 bytes, and
+    its first ``top_logprobs`` candidates (all with -1)."""
+    limit = None if top_logprobs == -1 else (top_logprobs or 0)
+    content: list[dict[str, Any]] = []
+    for i, token_id in enumerate(token_ids):
+        step = positions[i] if i < len(positions) else None
+        chosen = None if step is None else step.get(token_id)
+        if step is None or chosen is None:
+            token = decode(token_id)
+            content.append(
+                {
+                    "token": token,
+                    "logprob": _FLOOR,
+                    "bytes": list(token.encode("utf-8", errors="replace")),
+                    "top_logprobs": [],
+                }
+            )
+            continue
+        decoded = chosen.decoded_token
+        top: list[dict[str, Any]] = []
+        for candidate_id, candidate in itertools.islice(step.items(), limit):
+            text = _token_text(candidate, candidate_id, decode)
+            top.append(
+                {
+                    "token": text,
+                    "logprob": max(candidate.logprob, _FLOOR),
+                    "bytes": list(text.encode("utf-8", errors="replace")),
+                }
+            )
+        content.append(
+            {
+                "token": _token_text(chosen, token_id, decode),
+                "logprob": max(chosen.logprob, _FLOOR),
+                "bytes": None
+                if decoded is None
+                else list(decoded.encode("utf-8", errors="replace")),
+                "top_logprobs": top,
+            }
+        )
+    return {"content": content}
+
+
 # ------------------------------------------------------------------ completions
 
 
@@ -81,22 +200,23 @@ def completion_response(
     request_id: str,
     created: int,
     model: str,
-    choices: Sequence[tuple[int, CompletionOutput, list[int] | None]],
+    choices: Sequence[tuple[int, CompletionOutput, list[int] | None, dict[str, Any] | None]],
     prompt_tokens: int,
 ) -> bytes:
     """A whole ``/v1/completions`` response (``CompletionResponse.model_dump()``).
 
-    ``choices``: per choice, its index, its final output, and the prompt's token ids
-    when they are to be returned (``return_token_ids``)."""
+    ``choices``: per choice, its index, its final output, the prompt's token ids when
+    they are to be returned (``return_token_ids``), and its logprobs
+    (:func:`completion_logprobs`) when asked for."""
     completion_tokens = 0
     body_choices: list[dict[str, Any]] = []
-    for index, output, prompt_token_ids in choices:
+    for index, output, prompt_token_ids, logprobs in choices:
         completion_tokens += len(output.token_ids)
         body_choices.append(
             {
                 "index": index,
                 "text": output.text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": output.finish_reason,
                 "stop_reason": output.stop_reason,
                 "token_ids": output.token_ids if prompt_token_ids is not None else None,
@@ -106,7 +226,7 @@ def completion_response(
                 "weight_versions": None,
             }
         )
-    return _encoder.encode(
+    return encode_json(
         {
             "id": request_id,
             "object": "text_completion",
@@ -148,6 +268,7 @@ class CompletionFrames:
         usage_so_far: dict[str, Any] | None = None,
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         payload: dict[str, Any] = {
             "id": self.request_id,
@@ -158,7 +279,7 @@ class CompletionFrames:
                 {
                     "index": index,
                     "text": text,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason,
                     "stop_reason": stop_reason,
                     "prompt_token_ids": prompt_token_ids,
@@ -188,10 +309,11 @@ class CompletionFrames:
         usage_so_far: dict[str, Any] | None = None,
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         """Any chunk of choice ``index``: the last one (with its finish reason), one with
-        the usage so far (``continuous_usage_stats``) or with token ids
-        (``return_token_ids``)."""
+        the usage so far (``continuous_usage_stats``), token ids (``return_token_ids``)
+        or logprobs."""
         return self._chunk(
             index,
             text,
@@ -200,6 +322,7 @@ class CompletionFrames:
             usage_so_far=usage_so_far,
             token_ids=token_ids,
             prompt_token_ids=prompt_token_ids,
+            logprobs=logprobs,
         )
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
@@ -223,17 +346,18 @@ def chat_response(
     request_id: str,
     created: int,
     model: str,
-    choices: Sequence[tuple[int, CompletionOutput]],
+    choices: Sequence[tuple[int, CompletionOutput, dict[str, Any] | None]],
     prompt_tokens: int,
     *,
     role: str = "assistant",
     token_ids: bool = False,
     prompt_token_ids: list[int] | None = None,
 ) -> bytes:
-    """A whole ``/v1/chat/completions`` response (``ChatCompletionResponse.model_dump()``)."""
+    """A whole ``/v1/chat/completions`` response (``ChatCompletionResponse.model_dump()``):
+    ``choices`` are each choice's index, final output and logprobs (:func:`chat_logprobs`)."""
     completion_tokens = 0
     body_choices: list[dict[str, Any]] = []
-    for index, output in choices:
+    for index, output, logprobs in choices:
         completion_tokens += len(output.token_ids)
         body_choices.append(
             {
@@ -246,7 +370,7 @@ def chat_response(
                     "function_call": None,
                     "reasoning": None,
                 },
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": output.finish_reason,
                 "stop_reason": output.stop_reason,
                 "token_ids": output.token_ids if token_ids else None,
@@ -254,7 +378,7 @@ def chat_response(
                 "weight_versions": None,
             }
         )
-    return _encoder.encode(
+    return encode_json(
         {
             "id": request_id,
             "object": "chat.completion",
@@ -300,11 +424,12 @@ class ChatFrames:
         usage_so_far: dict[str, Any] | None = None,
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         choice: dict[str, Any] = {
             "index": index,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         if final:
@@ -370,9 +495,11 @@ class ChatFrames:
         *,
         usage_so_far: dict[str, Any] | None = None,
         token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         """Any content chunk of choice ``index``: the last one (``finish_reason`` set;
-        ``text`` None for an empty delta), or one with the usage so far or token ids."""
+        ``text`` None for an empty delta), or one with the usage so far, token ids or
+        logprobs."""
         delta: dict[str, Any] = {} if text is None else {"content": text}
         return self._chunk(
             index,
@@ -382,6 +509,7 @@ class ChatFrames:
             final=finish_reason is not None,
             usage_so_far=usage_so_far,
             token_ids=token_ids,
+            logprobs=logprobs,
         )
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:

@@ -213,6 +213,11 @@ _VLLM_033_DEPS = [
     "uvicorn",
     "watchfiles",
     "orjson",
+    # vLLM's OpenAI server itself (`vllm serve` with its API server, which the HTTP
+    # differential tests run: tests/interop/vllm_server.py) imports these too; both
+    # releases declare them.
+    "prometheus-fastapi-instrumentator>=8.0.0",
+    "model-hosting-container-standards>=0.1.14,<1.0.0",
 ]
 # What vLLM 0.34.0 raised of what these environments install (filelock comes with torch).
 _VLLM_034_RAISED = [

@@ -64,6 +64,14 @@ def _non_negative_int(instance: Any, attribute: attrs.Attribute[Any], value: Any
         )
 
 
+def _logprobs_limit(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not int or value < -1:
+        raise ValueError(
+            f"EngineConfig.{attribute.name} must be an integer >= 0, or -1 for the whole "
+            f"vocabulary, got {value!r}"
+        )
+
+
 def _optional_positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
         _positive_int(instance, attribute, value)
@@ -198,6 +206,21 @@ class EngineConfig:
         ),
     )
     """How many LoRA adapters can be registered at once."""
+
+    max_logprobs: int = attrs.field(
+        default=20,
+        validator=_logprobs_limit,
+        metadata=_flag(
+            "--max-logprobs",
+            "most logprobs (and prompt logprobs) a request may ask for per position; -1: "
+            "the whole vocabulary (default: %(default)s)",
+            type=int,
+        ),
+    )
+    """The most alternatives a request may ask for per position with
+    ``SamplingParams.logprobs`` or ``prompt_logprobs`` (``-1``, all of them, counts as
+    the whole vocabulary); a request asking for more fails with the error vLLM gives.
+    ``-1`` allows the whole vocabulary. vLLM's ``--max-logprobs``, with its default."""
 
     step_time_s: float = attrs.field(
         default=0.0,

@@ -374,12 +374,17 @@ class LogprobsLists(NamedTuple):
 
 
 class LogprobsTensors(NamedTuple):
-    """Prompt logprobs (torch tensors on the vLLM side), as vLLM sends them."""
+    """Prompt logprobs (torch tensors on the vLLM side), as vLLM sends them.
+
+    vLLM 0.33 and 0.34 both send all five fields (the last two are None in a prompt's
+    logprobs), so a four-field form would refuse what their engines send.
+    """
 
     logprob_token_ids: Tensor
     logprobs: Tensor
     selected_token_ranks: Tensor
     cu_num_generated_tokens: list[int] | None = None
+    cu_num_generated_tokens_tensor: Tensor | None = None
 
 
 # ------------------------------------------------------------ request-side structs
@@ -613,6 +618,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise bad("stop strings need detokenize=True")
         if any(not w for w in self.bad_words or ()):
             raise bad("bad_words cannot contain an empty string")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output position, or None for no sample logprobs (vLLM's
+        ``num_logprobs``): :attr:`logprobs`, or when unset the number of
+        :attr:`logprob_token_ids` (if any)."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     @property
     def eos_token_id(self) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..protocol import identity_for_rank
 from ._core import EngineCore, FatalEngineError, utility
-from ._models import CounterModel, Model, NgramModel, SamplingState, make_model
+from ._models import CounterModel, Model, NgramModel, SamplingState, Score, make_model
 from ._proc import EngineCoreProc, addresses_for, engine_handshake
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Model",
     "NgramModel",
     "SamplingState",
+    "Score",
     "addresses_for",
     "engine_handshake",
     "identity_for_rank",

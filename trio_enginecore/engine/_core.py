@@ -35,6 +35,8 @@ from ..protocol import (
     EngineCoreReadyResponse,
     EngineCoreRequest,
     FinishReason,
+    LogprobsLists,
+    LogprobsTensors,
     LoRARequest,
     PauseMode,
     RequestError,
@@ -42,6 +44,7 @@ from ..protocol import (
     UtilityOutput,
     UtilityResult,
 )
+from ._logprobs import logprobs_problem, prompt_logprobs, sample_logprobs
 from ._models import Model, make_model
 
 __all__ = ["EngineCore", "FatalEngineError", "PauseMode", "PrefixCache", "utility"]
@@ -106,14 +109,19 @@ class _Request:
         "eos_token_id",
         "events",
         "ignore_eos",
+        "logprob_ids",
+        "logprobs_top",
         "lora_id",
         "max_tokens",
         "min_p",
         "min_tokens",
         "output_token_ids",
         "prompt_len",
+        "prompt_logprob_start",
+        "prompt_logprobs_top",
         "request_id",
         "rng",
+        "scored",
         "state",
         "stop_token_ids",
         "temperature",
@@ -151,6 +159,13 @@ class _Request:
         self.lora_id = request.lora_request.lora_int_id if request.lora_request else None
         self.state = _State.WAITING
         self.events: list[EngineCoreEvent] | None = None
+        # Logprobs: alternatives per sampled token (-1: all; None: no logprobs), or
+        # these ids instead; the same for the prompt, from this position on.
+        self.logprob_ids = params.logprob_token_ids or None
+        self.logprobs_top = params.num_logprobs
+        self.prompt_logprobs_top = params.prompt_logprobs
+        self.prompt_logprob_start = params.prompt_logprob_start or 0
+        self.scored = self.logprobs_top is not None or self.prompt_logprobs_top is not None
 
     @property
     def last_token_id(self) -> int:
@@ -274,6 +289,9 @@ class EngineCore:
         self._requests: dict[str, _Request] = {}
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[str, _Request] = {}
+        # The running requests that asked for logprobs: while it is empty, a step
+        # computes none and looks at no request for them.
+        self._scored: dict[str, _Request] = {}
         # Outputs decided outside a model step (rejections, engine-initiated aborts),
         # sent with the next step's outputs.
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -374,6 +392,16 @@ class EngineCore:
             and len(self._loras) >= self.config.max_loras
         ):
             return f"no room for LoRA adapter {lora.lora_int_id}: max_loras is full"
+        params = request.sampling_params
+        if (
+            params.logprobs is not None
+            or params.prompt_logprobs is not None
+            or params.logprob_token_ids is not None
+            or params.prompt_logprob_start is not None
+        ):
+            if not self.model.has_logprobs:
+                return f"the {self.model.name} model computes no logprobs"
+            return logprobs_problem(params, vocab, self.config.max_logprobs)
         return None
 
     def reject(self, request_id: str, client_index: int, message: str) -> None:
@@ -400,6 +428,7 @@ class EngineCore:
                 continue
             if state.state is _State.RUNNING:
                 del self._running[request_id]
+                self._scored.pop(request_id, None)
             else:
                 self._waiting.remove(state)
         self._finish_pause_if_drained()
@@ -440,6 +469,7 @@ class EngineCore:
         self._requests.clear()
         self._waiting.clear()
         self._running.clear()
+        self._scored.clear()
 
     def abort_all(self) -> None:
         """Abort every request, telling each client with an ABORT output (for drains)."""
@@ -515,6 +545,8 @@ class EngineCore:
             state = self._waiting.popleft()
             state.state = _State.RUNNING
             self._running[state.request_id] = state
+            if state.scored:
+                self._scored[state.request_id] = state
             self.prefix_cache.add(state.token_ids[: state.prompt_len])
             if self.config.log_stats:
                 state.add_event(EngineCoreEventType.SCHEDULED, now)
@@ -529,7 +561,10 @@ class EngineCore:
             raise FatalEngineError(
                 f"model {self.model.name!r} returned {len(tokens)} tokens for {len(batch)}"
             )
+        # Scored against each sequence as the model saw it, before its new token.
+        scores = self._score(batch, tokens) if self._scored else None
         self._step_counter += 1
+        first = len(outputs)
         for state, token in zip(batch, tokens, strict=True):
             state.token_ids.append(token)
             state.output_token_ids.append(token)
@@ -547,6 +582,60 @@ class EngineCore:
                 )
             )
             clients.append(state.client_index)
+        if scores is not None:
+            self._attach(scores, outputs, first)
+
+    def _score(
+        self, batch: list[_Request], tokens: list[int]
+    ) -> list[tuple[int, LogprobsLists | None, LogprobsTensors | None]]:
+        """The logprobs of this step's requests that asked for them: ``(position in
+        the batch, sample logprobs, prompt logprobs)``. Prompt logprobs come with a
+        request's first token."""
+        scores: list[tuple[int, LogprobsLists | None, LogprobsTensors | None]] = []
+        model = self.model
+        try:
+            for index, state in enumerate(batch):
+                if not state.scored:
+                    continue
+                sample = prompt = None
+                if state.logprobs_top is not None:
+                    sample = sample_logprobs(
+                        model,
+                        state.token_ids,
+                        tokens[index],
+                        top=state.logprobs_top,
+                        ids=state.logprob_ids,
+                    )
+                if state.prompt_logprobs_top is not None and not state.output_token_ids:
+                    prompt = prompt_logprobs(
+                        model,
+                        state.token_ids,
+                        top=state.prompt_logprobs_top,
+                        start=state.prompt_logprob_start,
+                    )
+                    if sample is None:
+                        # It asked for the prompt's logprobs only: done with it.
+                        state.scored = False
+                        del self._scored[state.request_id]
+                scores.append((index, sample, prompt))
+        except Exception as exc:
+            raise FatalEngineError(
+                f"model {model.name!r} failed computing logprobs: {exc!r}"
+            ) from exc
+        return scores
+
+    def _attach(
+        self,
+        scores: list[tuple[int, LogprobsLists | None, LogprobsTensors | None]],
+        outputs: list[EngineCoreOutput],
+        first: int,
+    ) -> None:
+        for index, sample, prompt in scores:
+            output = outputs[first + index]
+            output.new_logprobs = sample
+            output.new_prompt_logprobs_tensors = prompt
+            if output.finish_reason is not None:
+                self._scored.pop(output.request_id, None)
 
     def _check_stop(self, state: _Request, token: int) -> tuple[FinishReason | None, int | None]:
         # Same order as vLLM: length limits win over stop tokens, and min_tokens only

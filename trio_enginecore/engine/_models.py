@@ -2,6 +2,8 @@
 
 A model only has to answer one question per step: given these sequences, what is the
 next token of each? Everything else (batching, stopping, aborting) is the scheduler's.
+A model that can also say how likely each token was (:meth:`Model.logprobs`) serves
+requests that ask for logprobs.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -17,7 +19,16 @@ import numpy.typing as npt
 from ..config import EngineConfig
 from ._corpus import CORPUS
 
-__all__ = ["CounterModel", "Model", "NgramModel", "SamplingState", "make_model"]
+__all__ = [
+    "CounterModel",
+    "Model",
+    "NgramModel",
+    "SamplingState",
+    "Score",
+    "make_model",
+    "rank_of",
+    "top_ids",
+]
 
 
 class SamplingState(Protocol):
@@ -49,6 +60,19 @@ class SamplingState(Protocol):
         ...
 
 
+class Score(NamedTuple):
+    """What a model says about one token at one position (see :meth:`Model.score`)."""
+
+    logprob: float
+    """The token's raw logprob."""
+    rank: int
+    """Its rank: 1 + the tokens more likely, + the equally likely ones of smaller id."""
+    ids: npt.NDArray[np.int64]
+    """The alternatives: the ``top`` most likely tokens by rank, or the ids asked for."""
+    logprobs: npt.NDArray[np.float64]
+    """Their raw logprobs."""
+
+
 class Model(abc.ABC):
     """A model the reference engine can serve."""
 
@@ -59,6 +83,42 @@ class Model(abc.ABC):
     @abc.abstractmethod
     def next_tokens(self, batch: Sequence[SamplingState]) -> list[int]:
         """One new token for every sequence of the batch, in order."""
+
+    def logprobs(self, token_ids: Sequence[int]) -> npt.NDArray[np.float64]:
+        """The raw log-probability of every vocabulary id being the token after
+        ``token_ids``: the log-softmax of the model's logits before temperature,
+        penalties or truncation (what vLLM returns in its default ``logprobs_mode``,
+        ``raw_logprobs``), so the sampling parameters change none of them.
+
+        A model without it serves no request that asks for logprobs (the engine
+        rejects those).
+        """
+        raise NotImplementedError(f"the {self.name} model computes no logprobs")
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the model implements :meth:`logprobs` (or :meth:`score`)."""
+        cls = type(self)
+        return cls.logprobs is not Model.logprobs or cls.score is not Model.score
+
+    def score(
+        self,
+        token_ids: Sequence[int],
+        token: int,
+        *,
+        top: int = 0,
+        ids: Sequence[int] | None = None,
+    ) -> Score:
+        """``token``'s logprob and rank as the token after ``token_ids``, with the
+        ``top`` most likely tokens (by rank) and their logprobs, or instead those of
+        ``ids`` when given.
+
+        Computed from :meth:`logprobs`; a model with a cheaper closed form overrides
+        it with the same results.
+        """
+        row = self.logprobs(token_ids)
+        chosen = np.asarray(ids, dtype=np.int64) if ids is not None else top_ids(row, top)
+        return Score(float(row[token]), rank_of(row, token), chosen, row[chosen])
 
     def tokenize(self, text: str) -> list[int]:
         """Text to token ids (for demos and tutorials)."""
@@ -98,12 +158,55 @@ class CounterModel(Model):
         last = prompt[-1]
         return [(last + i) % vocab_size for i in range(1, count + 1)]
 
+    def logprobs(self, token_ids: Sequence[int]) -> npt.NDArray[np.float64]:
+        """The counter's fixed scores: the token it produces (the last one plus one)
+        has logprob 0.0, and each id ``d`` steps further on (modulo the vocabulary)
+        has logprob ``-d``: ``last + 2`` has -1.0, ``last + 3`` has -2.0, and so on.
+
+        So the produced token has rank 1, ``last + 1 + d`` has rank ``d + 1``, and no
+        two ids tie. The model is certain of its token, so these are ranking scores
+        rather than a distribution: they do not add up to 1.
+        """
+        return _negated(self._distance(token_ids, np.arange(self.vocab_size)))
+
+    def score(
+        self,
+        token_ids: Sequence[int],
+        token: int,
+        *,
+        top: int = 0,
+        ids: Sequence[int] | None = None,
+    ) -> Score:
+        # The closed form of logprobs(): O(top) instead of O(vocabulary).
+        distance = int(self._distance(token_ids, np.int64(token)))
+        if ids is None:
+            top = min(top, self.vocab_size)
+            chosen = (token_ids[-1] + 1 + np.arange(top, dtype=np.int64)) % self.vocab_size
+            values = _negated(np.arange(top))
+        else:
+            chosen = np.asarray(ids, dtype=np.int64)
+            values = _negated(self._distance(token_ids, chosen))
+        return Score(0.0 - distance, distance + 1, chosen, values)
+
+    def _distance(self, token_ids: Sequence[int], ids: Any) -> Any:
+        # How many steps past the produced token each id is.
+        return (ids - (token_ids[-1] + 1)) % self.vocab_size
+
+
+def _negated(distances: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
+    # 0.0 - d rather than -d: the produced token's logprob is 0.0, not -0.0.
+    result: npt.NDArray[np.float64] = 0.0 - distances.astype(np.float64)
+    return result
+
 
 _EOS: Final = 256
 _ORDER: Final = 4
 # Weights of the context lengths 0..ORDER-1 when they are all known; missing (unseen)
 # contexts give their weight to the shorter ones.
 _WEIGHTS: Final = (0.02, 0.08, 0.3, 0.6)
+# Probabilities are floored here before their log is taken: a token the model has
+# never seen gets a finite logit (about -690.8) rather than -inf.
+_FLOOR: Final = 1e-300
 
 
 class NgramModel(Model):
@@ -158,11 +261,19 @@ class NgramModel(Model):
     def next_tokens(self, batch: Sequence[SamplingState]) -> list[int]:
         return [self._sample(state) for state in batch]
 
+    def logprobs(self, token_ids: Sequence[int]) -> npt.NDArray[np.float64]:
+        """The log-softmax of the model's logits, the log of :meth:`distribution`
+        (floored at 1e-300, about -690.8, for tokens the model has never seen there)."""
+        logits = np.log(np.maximum(self.distribution(token_ids), _FLOOR))
+        top = logits.max()
+        result: npt.NDArray[np.float64] = logits - (top + np.log(np.exp(logits - top).sum()))
+        return result
+
     def _sample(self, state: SamplingState) -> int:
         probs = self.distribution(state.token_ids)
         if state.temperature < 1e-5:
             return int(np.argmax(probs))
-        logits = np.log(np.maximum(probs, 1e-300)) / state.temperature
+        logits = np.log(np.maximum(probs, _FLOOR)) / state.temperature
         logits -= logits.max()
         weights = np.exp(logits)
         weights /= weights.sum()
@@ -174,6 +285,33 @@ class NgramModel(Model):
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if t < _EOS).decode("utf-8", errors="replace")
+
+
+def rank_of(row: npt.NDArray[np.float64], token: int) -> int:
+    """``token``'s rank in ``row`` (logprobs by token id): 1 + the ids more likely, +
+    the equally likely ids smaller than ``token`` (ties are broken by id)."""
+    value = row[token]
+    return 1 + int(np.count_nonzero(row > value)) + int(np.count_nonzero(row[:token] == value))
+
+
+def top_ids(row: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.int64]:
+    """The ``k`` most likely ids of ``row`` (logprobs by token id), by rank: most
+    likely first, equally likely ones by id (all of them if ``k`` is the vocabulary)."""
+    size = row.size
+    k = min(k, size)
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if k == size:
+        every: npt.NDArray[np.int64] = np.argsort(-row, kind="stable")
+        return every
+    # Partition instead of a full sort: the k-th largest value is the threshold, and
+    # of the ids tied at it, the smallest ones make up the count.
+    threshold = np.partition(row, size - k)[size - k]
+    above = np.flatnonzero(row > threshold)
+    tied = np.flatnonzero(row == threshold)[: k - above.size]
+    chosen = np.concatenate((above, tied))
+    ordered: npt.NDArray[np.int64] = chosen[np.argsort(-row[chosen], kind="stable")]
+    return ordered
 
 
 def _truncate(

@@ -39,8 +39,9 @@ Serve OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health,
 
 Engines: by default the built-in reference engine (its 'ngram' model writes English
 with the shipped tokenizer); --vllm launches vLLM's engine cores (`vllm serve MODEL
---headless` per rank; vLLM's flags after `--`); --attach binds the addresses of vLLM
-engine cores started elsewhere.
+--headless` per rank; vLLM's flags after `--`); --remote serves headless engine cores
+that join its handshake address (on other hosts too); --attach binds the addresses of
+vLLM engine cores started elsewhere.
 
 SIGINT or SIGTERM stops accepting, lets requests in flight finish for
 --shutdown-timeout-s, aborts the rest and stops the engines (exit 0); a second signal
@@ -132,6 +133,13 @@ def add_api_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="how to run vLLM's command line, split as a shell would (default: %(default)s)",
     )
     engines.add_argument(
+        "--remote",
+        metavar="tcp://HOST:PORT",
+        help="bind this handshake address and serve the headless engine cores that join "
+        "there (`vllm serve MODEL --headless --data-parallel-address HOST "
+        "--data-parallel-rpc-port PORT`, on this host or others)",
+    )
+    engines.add_argument(
         "--attach",
         nargs=2,
         metavar=("INPUT", "OUTPUT"),
@@ -159,8 +167,8 @@ def run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.vllm and args.attach:
-        parser.error("--vllm and --attach do not go together")
+    if sum(map(bool, (args.vllm, args.attach, args.remote))) > 1:
+        parser.error("--vllm, --attach and --remote do not go together: give one")
     if args.vllm and not args.model:
         parser.error("--vllm needs --model (the model vLLM serves)")
     if args.vllm_arguments and not args.vllm:
@@ -178,7 +186,7 @@ def run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def _engine_options(args: argparse.Namespace, model_dir: str | None) -> dict[str, Any]:
-    from ..client import VllmEngines
+    from ..client import RemoteEngines, VllmEngines
 
     options: dict[str, Any] = {"on_engine_failure": args.on_engine_failure}
     if args.vllm:
@@ -192,6 +200,9 @@ def _engine_options(args: argparse.Namespace, model_dir: str | None) -> dict[str
         options["ready_timeout_s"] = 1800.0
     elif args.attach:
         options["input_address"], options["output_address"] = args.attach
+        options["ready_timeout_s"] = 1800.0
+    elif args.remote:
+        options["remote"] = RemoteEngines(args.remote)
         options["ready_timeout_s"] = 1800.0
     return options
 
@@ -217,7 +228,7 @@ async def _serve(args: argparse.Namespace) -> int:
     config: EngineConfig | None
     if args.vllm:
         config = None
-    elif args.attach:
+    elif args.attach or args.remote:
         config = EngineConfig(data_parallel_size=args.data_parallel_size)
     else:
         changes: dict[str, Any] = {

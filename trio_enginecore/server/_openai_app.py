@@ -218,7 +218,7 @@ class OpenAIApp:
         self._api_key_hash = (
             None if settings.api_key is None else hashlib.sha256(settings.api_key.encode()).digest()
         )
-        self._created = int(time.time())
+        self.system_fingerprint = system_fingerprint(engines, settings)
         self._routes: dict[str, tuple[str, Callable[[Request], Awaitable[Response]]]] = {
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
@@ -305,6 +305,11 @@ class OpenAIApp:
         failure = getattr(client, "failure", None)
         if failure is not None:
             return _error(ApiError(f"the engine is dead: {failure}", status=503))
+        engines = client.statistics().engines
+        if engines and not any(e.state in ("alive", "suspect") for e in engines):
+            # route_around with every engine dead (or restarting): nothing can serve.
+            states = ", ".join(f"rank {e.rank} {e.state}" for e in engines)
+            return _error(ApiError(f"no engine is in service ({states})", status=503))
         return Response(200)
 
     async def _models(self, request: Request) -> Response:
@@ -460,12 +465,13 @@ class OpenAIApp:
             return
         limit = self.max_model_len * self._max_chars_per_token
         if len(text) > limit:
-            raise ApiError(
+            raise ApiError.invalid(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt contains {len(text)} characters (more than {limit} "
                 f"characters, which is the upper bound for {self.max_model_len} input "
                 "tokens). Please reduce the length of the input prompt.",
-                param="input_text",
+                "input_text",
+                len(text),
             )
 
     def _generate(self, prepared: _Prepared, request: Request, priority: int) -> Any:
@@ -539,7 +545,14 @@ class OpenAIApp:
         return Response(
             200,
             [_JSON],
-            completion_response(base_id, created, self.model_name, choices, prompt_tokens),
+            completion_response(
+                base_id,
+                created,
+                self.model_name,
+                choices,
+                prompt_tokens,
+                system_fingerprint=self.system_fingerprint,
+            ),
         )
 
     async def _run_all(self, prepared: list[_Prepared], blocks: list[Any]) -> list[RequestOutput]:
@@ -586,7 +599,7 @@ class OpenAIApp:
         prepared: list[_Prepared],
         blocks: list[AbstractAsyncContextManager[GenerationStream]],
     ) -> AsyncGenerator[bytes]:
-        frames = CompletionFrames(request_id, created, self.model_name)
+        frames = CompletionFrames(request_id, created, self.model_name, self.system_fingerprint)
         n = prepared[0].params.n
         plain = not body.echo and body.logprobs is None and not body.return_token_ids
         continuous = body.continuous_usage
@@ -668,6 +681,7 @@ class OpenAIApp:
                                     token_ids=token_ids if body.return_token_ids else None,
                                     prompt_token_ids=prompt_ids,
                                     logprobs=logprobs,
+                                    fingerprinted=reason is not None and not body.include_usage,
                                 )
                 finally:
                     self._finish_streamed(engine_ids, finished)
@@ -759,6 +773,7 @@ class OpenAIApp:
                 choices,
                 len(prepared.token_ids),
                 role=role,
+                system_fingerprint=self.system_fingerprint,
                 token_ids=bool(body.return_token_ids),
                 prompt_token_ids=prepared.token_ids if body.return_token_ids else None,
             ),
@@ -773,7 +788,7 @@ class OpenAIApp:
         role: str,
         echo_text: str,
     ) -> AsyncGenerator[bytes]:
-        frames = ChatFrames(prepared.request_id, created, self.model_name)
+        frames = ChatFrames(prepared.request_id, created, self.model_name, self.system_fingerprint)
         n = prepared.params.n
         prompt_tokens = len(prepared.token_ids)
         continuous = body.continuous_usage
@@ -853,6 +868,7 @@ class OpenAIApp:
                                 ),
                                 token_ids=completion.token_ids if body.return_token_ids else None,
                                 logprobs=logprobs,
+                                fingerprinted=reason is not None and not body.include_usage,
                             )
             finally:
                 self._finish_streamed(engine_ids, finished)
@@ -886,6 +902,33 @@ def _echoed(output: CompletionOutput, prepared: _Prepared, prompt_only: bool) ->
         finish_reason=output.finish_reason,
         stop_reason=output.stop_reason,
     )
+
+
+def system_fingerprint(engines: Sequence[Any], settings: ServerSettings) -> str:
+    """``system_fingerprint`` as vLLM's default (``--fingerprint-mode full``) writes it:
+    ``vllm-<version>[-tp<N>][-pp<N>][-dp<N>][-ep]-<hash8>``, from the first engine's
+    ready message (its release, its parallelism, the first 8 characters of its
+    ``config_hash``, which vLLM 0.34 engines send; else a hash of what is served)."""
+    if not engines:
+        digest = hashlib.sha256(repr(settings.served_model_names).encode()).hexdigest()
+        return f"trio-enginecore-{digest[:8]}"
+    first = engines[0]
+    parts = [f"vllm-{first.vllm_version}"]
+    for name, size in (
+        ("tp", first.tensor_parallel_size),
+        ("pp", first.pipeline_parallel_size),
+        ("dp", first.data_parallel_size),
+    ):
+        if size > 1:
+            parts.append(f"{name}{size}")
+    if first.enable_expert_parallel:
+        parts.append("ep")
+    config_hash = first.config_hash
+    if not config_hash:
+        seen = (settings.model_root, first.max_model_len, first.dtype, first.vllm_version)
+        config_hash = hashlib.sha256(repr(seen).encode()).hexdigest()
+    parts.append(config_hash[:8])
+    return "-".join(parts)
 
 
 def _last_field(messages: list[Any], key: str) -> object:

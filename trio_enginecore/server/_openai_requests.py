@@ -80,6 +80,13 @@ class ApiError(Exception):
         ).encode()
 
     @classmethod
+    def invalid(cls, message: str, param: str, value: object = None) -> ApiError:
+        """A 400 as vLLM's ``VLLMValidationError`` words it: the message, then
+        ``(parameter=..., value=...)``."""
+        extras = f"parameter={param}" + ("" if value is None else f", value={value}")
+        return cls(f"{message} ({extras})", param=param)
+
+    @classmethod
     def from_invalid_input(cls, error: InvalidInputError) -> ApiError:
         """The 400 of a request the text layer refused (the field it names)."""
         return cls(str(error), param=error.param)
@@ -154,16 +161,14 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
         if not _INT64_MIN <= self.priority <= _INT64_MAX:
             raise ApiError("priority must be a 64-bit integer", param="priority")
         if self.stream_options is not None and not self.stream:
-            raise ApiError(
-                "Stream options can only be defined when `stream=True`.",
-                param="stream_options",
+            raise ApiError.invalid(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
             )
         if self.use_beam_search:
             raise ApiError("beam search is not supported by this server", param="use_beam_search")
         if self.cache_salt is not None and not self.cache_salt:
-            raise ApiError(
-                "Parameter 'cache_salt' must be a non-empty string if provided.",
-                param="cache_salt",
+            raise ApiError.invalid(
+                "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
             )
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
             raise ApiError(
@@ -173,10 +178,10 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
         if self.structured_outputs is not None:
             kinds = [k for k in ("json", "regex", "choice") if self.structured_outputs.get(k)]
             if len(kinds) > 1:
-                raise ApiError(
+                raise ApiError.invalid(
                     "You can only use one kind of constraints for structured "
                     "outputs ('json', 'regex' or 'choice').",
-                    param="structured_outputs",
+                    "structured_outputs",
                 )
 
     @property
@@ -250,7 +255,10 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
         except ApiError:
             raise
         except (TypeError, ValueError) as exc:
-            raise ApiError(_reason(exc), param=_param_of(exc)) from None
+            # As vLLM's SamplingParams checks word it: a sentence, no param (the
+            # message names the field).
+            reason = _reason(exc)
+            raise ApiError(reason if reason.endswith(".") else reason + ".") from None
 
 
 @final
@@ -273,9 +281,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         """
         prompt = self.prompt
         if prompt is None or prompt == "":
-            raise ApiError(
-                "Either prompt or prompt_embeds must be provided and non-empty.",
-                param="prompt",
+            raise ApiError.invalid(
+                "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
             )
         if isinstance(prompt, str):
             return [prompt]
@@ -309,12 +316,15 @@ class CompletionRequest(_SamplingFields, kw_only=True):
                 "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs"
             )
         if self.stream and self.prompt_logprobs is not None:
-            raise ApiError(
-                "`prompt_logprobs` are not available when `stream=True`.",
-                param="prompt_logprobs",
+            raise ApiError.invalid(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
             )
         if self.max_tokens is not None and self.max_tokens < 0:
-            raise ApiError(f"max_tokens must be at least 0, got {self.max_tokens}.")
+            raise ApiError.invalid(
+                f"max_tokens must be at least 1, got {self.max_tokens}.",
+                "max_tokens",
+                self.max_tokens,
+            )
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters, as vLLM's ``CompletionRequest.to_sampling_params``.
@@ -369,9 +379,8 @@ class ChatRequest(_SamplingFields, kw_only=True):
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
         if self.stream and self.prompt_logprobs is not None:
-            raise ApiError(
-                "`prompt_logprobs` are not available when `stream=True`.",
-                param="prompt_logprobs",
+            raise ApiError.invalid(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
             )
         if self.tool_choice not in ("none", None) and self.tool_choice != "auto":
             raise ApiError(
@@ -381,7 +390,7 @@ class ChatRequest(_SamplingFields, kw_only=True):
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ApiError(f"{name} must be at least 0, got {value}.", param=name)
+                raise ApiError.invalid(f"{name} must be at least 1, got {value}.", name, value)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -448,12 +457,13 @@ def max_tokens_for(
         limit = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         prompt_tokens = min(prompt_tokens, limit)
     if prompt_tokens > max_model_len:
-        raise ApiError(
+        raise ApiError.invalid(
             f"This model's maximum context length is {max_model_len} tokens. However, "
             f"your prompt contains {prompt_tokens} input tokens, which exceeds this "
             "limit even without any output tokens. Please reduce the length of the "
             "input prompt.",
-            param="input_tokens",
+            "input_tokens",
+            prompt_tokens,
         )
     left = max_model_len - prompt_tokens
     return left if requested is None else min(left, requested)

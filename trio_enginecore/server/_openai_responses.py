@@ -202,6 +202,8 @@ def completion_response(
     model: str,
     choices: Sequence[tuple[int, CompletionOutput, list[int] | None, dict[str, Any] | None]],
     prompt_tokens: int,
+    *,
+    system_fingerprint: str | None = None,
 ) -> bytes:
     """A whole ``/v1/completions`` response (``CompletionResponse.model_dump()``).
 
@@ -234,7 +236,7 @@ def completion_response(
             "model": model,
             "choices": body_choices,
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": system_fingerprint,
             "usage": usage(prompt_tokens, completion_tokens),
             "kv_transfer_params": None,
             "ec_transfer_params": None,
@@ -247,12 +249,23 @@ def completion_response(
 class CompletionFrames:
     """The events of one streamed ``/v1/completions`` response."""
 
-    __slots__ = ("_head", "_infix", "_suffix", "created", "model", "request_id")
+    __slots__ = (
+        "_head",
+        "_infix",
+        "_suffix",
+        "created",
+        "model",
+        "request_id",
+        "system_fingerprint",
+    )
 
-    def __init__(self, request_id: str, created: int, model: str) -> None:
+    def __init__(
+        self, request_id: str, created: int, model: str, system_fingerprint: str | None = None
+    ) -> None:
         self.request_id = request_id
         self.created = created
         self.model = model
+        self.system_fingerprint = system_fingerprint
         probe = self._chunk(_INDEX_PROBE, _TEXT_PROBE, None, None)
         self._head, self._infix, self._suffix = _split_template(
             probe, str(_INDEX_PROBE).encode(), _encoder.encode(_TEXT_PROBE)
@@ -269,6 +282,7 @@ class CompletionFrames:
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
         logprobs: dict[str, Any] | None = None,
+        fingerprinted: bool = False,
     ) -> bytes:
         payload: dict[str, Any] = {
             "id": self.request_id,
@@ -290,6 +304,8 @@ class CompletionFrames:
         }
         if usage_so_far is not None:
             payload["usage"] = usage_so_far
+        if fingerprinted and self.system_fingerprint is not None:
+            payload["system_fingerprint"] = self.system_fingerprint
         payload["kv_transfer_params"] = None
         return _event(payload)
 
@@ -310,10 +326,12 @@ class CompletionFrames:
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
         logprobs: dict[str, Any] | None = None,
+        fingerprinted: bool = False,
     ) -> bytes:
         """Any chunk of choice ``index``: the last one (with its finish reason), one with
         the usage so far (``continuous_usage_stats``), token ids (``return_token_ids``)
-        or logprobs."""
+        or logprobs. ``fingerprinted``: with the ``system_fingerprint`` (vLLM stamps it
+        on a choice's last chunk when no usage chunk follows)."""
         return self._chunk(
             index,
             text,
@@ -323,6 +341,7 @@ class CompletionFrames:
             token_ids=token_ids,
             prompt_token_ids=prompt_token_ids,
             logprobs=logprobs,
+            fingerprinted=fingerprinted,
         )
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
@@ -335,8 +354,13 @@ class CompletionFrames:
                 "model": self.model,
                 "choices": [],
                 "usage": _usage_without_nulls(prompt_tokens, completion_tokens),
+                **self._fingerprint(),
             }
         )
+
+    def _fingerprint(self) -> dict[str, str]:
+        fingerprint = self.system_fingerprint
+        return {} if fingerprint is None else {"system_fingerprint": fingerprint}
 
 
 # ------------------------------------------------------------------ chat
@@ -350,6 +374,7 @@ def chat_response(
     prompt_tokens: int,
     *,
     role: str = "assistant",
+    system_fingerprint: str | None = None,
     token_ids: bool = False,
     prompt_token_ids: list[int] | None = None,
 ) -> bytes:
@@ -386,7 +411,7 @@ def chat_response(
             "model": model,
             "choices": body_choices,
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": system_fingerprint,
             "usage": usage(prompt_tokens, completion_tokens),
             "prompt_logprobs": None,
             "prompt_token_ids": prompt_token_ids,
@@ -402,12 +427,23 @@ def chat_response(
 class ChatFrames:
     """The events of one streamed ``/v1/chat/completions`` response."""
 
-    __slots__ = ("_head", "_infix", "_suffix", "created", "model", "request_id")
+    __slots__ = (
+        "_head",
+        "_infix",
+        "_suffix",
+        "created",
+        "model",
+        "request_id",
+        "system_fingerprint",
+    )
 
-    def __init__(self, request_id: str, created: int, model: str) -> None:
+    def __init__(
+        self, request_id: str, created: int, model: str, system_fingerprint: str | None = None
+    ) -> None:
         self.request_id = request_id
         self.created = created
         self.model = model
+        self.system_fingerprint = system_fingerprint
         probe = self._chunk(_INDEX_PROBE, {"content": _TEXT_PROBE}, None, None, final=False)
         self._head, self._infix, self._suffix = _split_template(
             probe, str(_INDEX_PROBE).encode(), _encoder.encode(_TEXT_PROBE)
@@ -425,6 +461,7 @@ class ChatFrames:
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
         logprobs: dict[str, Any] | None = None,
+        fingerprinted: bool = False,
     ) -> bytes:
         choice: dict[str, Any] = {
             "index": index,
@@ -446,6 +483,8 @@ class ChatFrames:
         }
         if usage_so_far is not None:
             payload["usage"] = usage_so_far
+        if fingerprinted and self.system_fingerprint is not None:
+            payload["system_fingerprint"] = self.system_fingerprint
         if prompt_token_ids is not None:
             payload["prompt_token_ids"] = prompt_token_ids
         payload["kv_transfer_params"] = None
@@ -496,10 +535,11 @@ class ChatFrames:
         usage_so_far: dict[str, Any] | None = None,
         token_ids: list[int] | None = None,
         logprobs: dict[str, Any] | None = None,
+        fingerprinted: bool = False,
     ) -> bytes:
         """Any content chunk of choice ``index``: the last one (``finish_reason`` set;
         ``text`` None for an empty delta), or one with the usage so far, token ids or
-        logprobs."""
+        logprobs; ``fingerprinted`` as :meth:`CompletionFrames.chunk`."""
         delta: dict[str, Any] = {} if text is None else {"content": text}
         return self._chunk(
             index,
@@ -510,6 +550,7 @@ class ChatFrames:
             usage_so_far=usage_so_far,
             token_ids=token_ids,
             logprobs=logprobs,
+            fingerprinted=fingerprinted,
         )
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
@@ -522,6 +563,11 @@ class ChatFrames:
                 "model": self.model,
                 "choices": [],
                 "usage": _usage_without_nulls(prompt_tokens, completion_tokens),
+                **(
+                    {}
+                    if self.system_fingerprint is None
+                    else {"system_fingerprint": self.system_fingerprint}
+                ),
             }
         )
 

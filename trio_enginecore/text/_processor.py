@@ -99,7 +99,7 @@ class SequenceState:
         )
         self.logprobs = LogprobsDecoder(
             tokenizer,
-            num_logprobs=params.logprobs,
+            num_logprobs=params.num_logprobs,  # logprob_token_ids alone count too
             num_prompt_logprobs=params.prompt_logprobs,
             prompt_logprob_start=params.prompt_logprob_start or 0,
         )

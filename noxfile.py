@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -63,7 +64,7 @@ def docs(session: nox.Session) -> None:
     instead of its value fails the build too: Sphinx does not warn about that; so does a
     configuration dumped into the build's output. The output shows once the build ends.
     """
-    session.install("-e", ".", *_group("docs"))
+    session.install("-e", ".[server]", *_group("docs"))
     output = session.run(
         "sphinx-build",
         "-E",
@@ -147,8 +148,10 @@ def bench_text(session: nox.Session) -> None:
     client against vLLM 0.34's own AsyncLLM, each on vLLM 0.34's real engine core (the
     counter executor, zero step cost), C = 64 and 512, alternating in one run.
 
-    Needs the vLLM 0.34 environment that ``nox -s "interop(vllm='0.34')"`` builds; nothing
-    is built here (without it the session fails, saying so). Writes
+    Needs the vLLM 0.34 environment that ``nox -s "interop(vllm='0.34')"`` builds (or,
+    when that is not built, the Python in ``$TRIO_ENGINECORE_VLLM_PYTHON``: an environment
+    with ``vllm serve``'s dependencies); nothing is built here (without either the
+    session fails, saying so). Writes
     benchmarks/results/text.{json,md}: about 4 minutes on 2 cores. Run it on a quiet
     machine: the report states the load, and a measurement that other programs disturbed
     is taken again. ``-- --quick`` is a smoke run into a new temporary directory;
@@ -169,6 +172,42 @@ def bench_text(session: nox.Session) -> None:
         str(env_dir / "bin" / "python"),
         *session.posargs,
     )
+
+
+@nox.session
+def bench_server(session: nox.Session) -> None:
+    """OpenAI servers side by side: ours (``trio-enginecore api-server --vllm``), vLLM's
+    Python server (``vllm serve``, one API server) and its Rust frontend (``vllm-rs
+    serve``), each on vLLM 0.34's real engine core (the counter executor, zero step
+    cost), the same load generator for all: streamed 32/512 completions at C = 64 and
+    256, non-streamed 32/16 at C = 64. Requests/s, tokens/s, TTFT, inter-token latency,
+    frontend CPU per output token, tokens per SSE event; ours ÷ each other frontend.
+
+    Needs the vLLM 0.34 environment that ``nox -s "interop(vllm='0.34')"`` builds (or,
+    when that is not built, the Python in ``$TRIO_ENGINECORE_VLLM_PYTHON``: an environment
+    with ``vllm serve``'s dependencies); nothing is built here (without either the
+    session fails, saying so). Writes
+    benchmarks/results/openai_server.{json,md,png}: about 10 minutes on 2 cores. Run it
+    on a quiet machine: three frontends, an engine and the load generator share the
+    cores. ``-- --quick`` is a smoke run (about 2 minutes, most of it the three servers
+    starting) into a new temporary directory; ``-- --rounds N``, ``-- --out DIR``,
+    ``-- --frontends ours vllm vllm-rs``.
+    """
+    env_dir = _vllm_env_dir(BENCH_SERVER_VLLM_RELEASE)
+    vllm = ["--vllm-python", str(env_dir / "bin" / "python")]
+    if not (env_dir / "recipe.json").exists():
+        given = os.environ.get("TRIO_ENGINECORE_VLLM_PYTHON")
+        if not given:
+            session.error(
+                f"no vLLM {BENCH_SERVER_VLLM_RELEASE} environment at {env_dir}: "
+                f"`nox -s \"interop(vllm='{BENCH_SERVER_VLLM_RELEASE}')\"` builds it"
+            )
+        session.log(f"no environment at {env_dir}: using $TRIO_ENGINECORE_VLLM_PYTHON, {given}")
+        vllm = ["--vllm-python", given]
+    # matplotlib (the chart) from the bench group; py-spy is not needed here.
+    chart = [r for r in _group("bench") if r.startswith("matplotlib")]
+    session.install("-e", ".[server]", *chart)
+    session.run("python", "-m", "benchmarks.openai_server", *vllm, *session.posargs)
 
 
 # The CPU-only vLLM environments of the interop session, one per vLLM release: vLLM's
@@ -258,6 +297,7 @@ VLLM_RECIPES: dict[str, dict[str, list[str]]] = {
 VLLM_RELEASES = list(VLLM_RECIPES)
 BENCH_VLLM_RELEASE = "0.33"  # benchmarks/vllm_worker.py is written for 0.33's client
 BENCH_TEXT_VLLM_RELEASE = "0.34"  # benchmarks/vllm_text_worker.py: 0.34's AsyncLLM
+BENCH_SERVER_VLLM_RELEASE = "0.34"  # benchmarks/openai_server.py: the 0.34 API our server frames
 _VLLM_ENV_CHECK = (
     "from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient; "
     "from vllm.v1.engine.core import EngineCoreProc; "

@@ -69,7 +69,11 @@ napoleon_use_rtype = False
 nitpicky = True
 nitpick_ignore_regex = [
     # Third-party and standard-library names: no inventory to resolve them against.
-    (r"py:.*", r"(trio|msgspec|numpy|np|npt|zmq|attrs|hypercorn|httpx|tokenizers)(\..*)?"),
+    (
+        r"py:.*",
+        r"(trio|msgspec|numpy|np|npt|zmq|attrs|hypercorn|httpx|tokenizers|h11|jinja2"
+        r"|prometheus_client|datetime)(\..*)?",
+    ),
     (
         r"py:.*",
         r"(contextlib|collections\.abc|typing|types|enum|abc|threading|random|os|pathlib)\..*",

@@ -16,7 +16,10 @@ from __future__ import annotations
 from ._chat_template import (
     ChatTemplate as ChatTemplate,
     ChatTemplateError as ChatTemplateError,
+    ChatTemplateRejectedError as ChatTemplateRejectedError,
     ChatTemplates as ChatTemplates,
+    ChatTemplateSecurityError as ChatTemplateSecurityError,
+    ChatTemplateSyntaxError as ChatTemplateSyntaxError,
 )
 from ._http import HttpServer as HttpServer, serve_http as serve_http
 from ._http_messages import (
@@ -34,6 +37,9 @@ __all__ = [
     "ApiError",
     "ChatTemplate",
     "ChatTemplateError",
+    "ChatTemplateRejectedError",
+    "ChatTemplateSecurityError",
+    "ChatTemplateSyntaxError",
     "ChatTemplates",
     "Headers",
     "HttpLimits",

@@ -996,7 +996,7 @@ class ChatTemplate:
         """The prompt vLLM renders for a chat request: :meth:`prepare`, then
         :meth:`render_conversation`.
 
-        ``tools`` are given as the template should see them (:func:`template_tools`
+        ``tools`` are given as the template should see them (``template_tools``
         makes them from a request's). Blocking CPU work: see the module's notes.
 
         Raises:
@@ -1039,7 +1039,7 @@ class ChatTemplate:
             documents: given as ``documents`` (``None`` if not given).
             chat_template_kwargs: more variables for the template; they override the
                 special tokens of the same name, and may not use a name of
-                :data:`RESERVED_TEMPLATE_KWARGS`.
+                ``RESERVED_TEMPLATE_KWARGS``.
 
         Raises:
             ChatTemplateRejectedError: the template called ``raise_exception``;

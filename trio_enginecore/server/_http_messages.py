@@ -99,7 +99,7 @@ class Request:
     """One HTTP request, its body already read (within :attr:`HttpLimits.max_body_bytes`)."""
 
     method: str
-    """The method as sent (``"GET"``, ``"POST"``, ...): one of :data:`KNOWN_METHODS`.
+    """The method as sent (``"GET"``, ``"POST"``, ...): one of ``KNOWN_METHODS`` (``GET``, ``POST``, ... the methods of RFC 9110).
     Answer ``"HEAD"`` as ``"GET"``: the server sends the head alone."""
     target: str
     """The request target as sent: ``/v1/completions?x=1``."""

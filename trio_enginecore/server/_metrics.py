@@ -385,7 +385,7 @@ class VllmMetrics:
         max_model_len: scales the token-count histograms' buckets, as in vLLM.
         engine_indexes: the engines whose series exist from the start (label
             ``engine``); an engine first heard of later gets its series then.
-        bucket_overrides: bucket bounds per family (:data:`BUCKET_FAMILIES`), as vLLM's
+        bucket_overrides: bucket bounds per family (``BUCKET_FAMILIES``: ``request_latency``, ``time_to_first_token``, ...), as vLLM's
             ``--custom-histogram-buckets``.
         created_series: expose the ``_created`` samples of counters and histograms, as
             ``prometheus_client`` does unless ``PROMETHEUS_DISABLE_CREATED_SERIES`` is
@@ -471,9 +471,10 @@ class VllmMetrics:
     def finish_request(
         self, request_id: str, reason: FinishReason | str, now: float | None = None
     ) -> None:
-        """An engine request finished for ``reason`` (a :class:`FinishReason` or its
-        name, as ``CompletionOutput.finish_reason``): count it and observe its latencies
-        and sizes. Unknown (or already finished) ids are ignored.
+        """An engine request finished for ``reason`` (a
+        :class:`~trio_enginecore.protocol.FinishReason` or its name, as
+        ``CompletionOutput.finish_reason``): count it and observe its latencies and
+        sizes. Unknown (or already finished) ids are ignored.
 
         Raises:
             ValueError: ``reason`` is no finish reason.

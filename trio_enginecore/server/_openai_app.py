@@ -163,7 +163,8 @@ class _Prepared:
 
 @final
 class OpenAIApp:
-    """vLLM's OpenAI routes over an :class:`AsyncLLM`: ``response = await app(request)``.
+    """vLLM's OpenAI routes over an :class:`~trio_enginecore.text.AsyncLLM`:
+    ``response = await app(request)``.
 
     Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
     /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST
@@ -246,7 +247,8 @@ class OpenAIApp:
     # ------------------------------------------------------------ dispatch
 
     async def __call__(self, request: Request) -> Response:
-        """Answer one request (the :data:`~._http.Handler` of :func:`~._http.serve_http`)."""
+        """Answer one request (the handler :func:`~trio_enginecore.server.serve_http`
+        calls). A request for a stream is answered with a body that streams."""
         path = request.path
         route = self._routes.get(path)
         if route is None:

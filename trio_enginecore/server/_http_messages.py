@@ -99,8 +99,8 @@ class Request:
     """One HTTP request, its body already read (within :attr:`HttpLimits.max_body_bytes`)."""
 
     method: str
-    """The method as sent (``"GET"``, ``"POST"``, ...): one of ``KNOWN_METHODS`` (``GET``, ``POST``, ... the methods of RFC 9110).
-    Answer ``"HEAD"`` as ``"GET"``: the server sends the head alone."""
+    """The method as sent (``"GET"``, ``"POST"``, ...): one of RFC 9110's methods
+    (``KNOWN_METHODS``). Answer ``"HEAD"`` as ``"GET"``: the server sends the head alone."""
     target: str
     """The request target as sent: ``/v1/completions?x=1``."""
     headers: Headers

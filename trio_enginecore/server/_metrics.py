@@ -385,7 +385,8 @@ class VllmMetrics:
         max_model_len: scales the token-count histograms' buckets, as in vLLM.
         engine_indexes: the engines whose series exist from the start (label
             ``engine``); an engine first heard of later gets its series then.
-        bucket_overrides: bucket bounds per family (``BUCKET_FAMILIES``: ``request_latency``, ``time_to_first_token``, ...), as vLLM's
+        bucket_overrides: bucket bounds per family (``BUCKET_FAMILIES``:
+            ``request_latency``, ``time_to_first_token``, ...), as vLLM's
             ``--custom-histogram-buckets``.
         created_series: expose the ``_created`` samples of counters and histograms, as
             ``prometheus_client`` does unless ``PROMETHEUS_DISABLE_CREATED_SERIES`` is

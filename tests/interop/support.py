@@ -86,6 +86,27 @@ def at_least(release: str) -> bool:
     return _release_key(vllm_release()) >= _release_key(release)
 
 
+NEWEST_RELEASE = "0.34"
+"""The newest release the suite tests: its session runs every test."""
+
+
+def newest_release_only(why: str) -> None:
+    """Skip the calling test module unless the release under test is the newest.
+
+    For what does not depend on the engine's release: our frontend held to vLLM's
+    newest frontend (text, chat templates, metrics, HTTP), and our own startup rules.
+    The older releases' sessions run what their engines and clients meet: the wire both
+    ways, liveness, launching, data parallelism. Keeps each session within its time.
+    """
+    if vllm_release() != NEWEST_RELEASE:
+        pytest.skip(f"vLLM {NEWEST_RELEASE}'s session only: {why}", allow_module_level=True)
+
+
+def on_the_newest_release() -> bool:
+    """Whether the release under test is the newest (see :func:`newest_release_only`)."""
+    return vllm_release() == NEWEST_RELEASE
+
+
 def vllm_pythons() -> dict[str, Path]:
     """The Python of every release whose environment is built (this one's included)."""
     pythons = {

@@ -50,9 +50,10 @@ from typing import Any
 
 import pytest
 
-from .support import VllmProcess, error_lines, require_vllm, vllm_release
+from .support import VllmProcess, error_lines, newest_release_only, require_vllm, vllm_release
 
 require_vllm()
+newest_release_only("our chat templates are held to vLLM's newest chat pipeline")
 pytest.importorskip("jinja2")
 
 from tests.server.test_chat_template import DETECTION, MODELS, write_model  # noqa: E402

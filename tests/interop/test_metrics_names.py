@@ -41,9 +41,10 @@ from trio_enginecore.protocol import (
 )
 from trio_enginecore.server._metrics import VllmMetrics
 
-from .support import VllmProcess, error_lines, require_vllm
+from .support import VllmProcess, error_lines, newest_release_only, require_vllm
 
 require_vllm()
+newest_release_only("our metrics are vLLM's newest PrometheusStatLogger's")
 
 ENGINES = 2
 

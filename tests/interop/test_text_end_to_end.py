@@ -65,9 +65,10 @@ from trio_enginecore.text import AsyncLLM, RequestOutput, Tokenizer, load_tokeni
 
 from ..text.tokenizers_for_tests import write_tricky_dir
 from .engines import vllm_engine
-from .support import require_vllm, trouble_lines, vllm_process
+from .support import newest_release_only, require_vllm, trouble_lines, vllm_process
 
 require_vllm()
+newest_release_only("our text layer is held to vLLM's newest AsyncLLM")
 
 STEP_S = 0.02
 """The counter model's step: slow enough for both readers to see (nearly) every step."""

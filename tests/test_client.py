@@ -718,3 +718,21 @@ async def test_statistics_snapshot_is_frozen_and_counts() -> None:
             with pytest.raises(AttributeError):
                 after.tokens_received = 0  # type: ignore[misc]
             assert_idle(client)
+
+
+async def test_a_scope_cancelled_while_its_client_shuts_down_ends_as_cancelled() -> None:
+    """A cancel scope around the client cancelled while the client stops its engines
+    (a second Ctrl-C, a deadline): the cancellation goes on up and the scope absorbs
+    it, as any cancellation; no EngineDeadError claims the client failed."""
+
+    async def cancel_soon(scope: trio.CancelScope) -> None:
+        await trio.sleep(0.02)
+        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as scope:
+            async with open_engine_client(EngineConfig(data_parallel_size=2)) as client:
+                request = EngineCoreRequest.for_tokens([1, 2, 3], max_tokens=2)
+                await client.add_request(request)
+                nursery.start_soon(cancel_soon, scope)  # lands during the shutdown
+        assert scope.cancelled_caught

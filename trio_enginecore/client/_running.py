@@ -99,6 +99,10 @@ async def run_client(client: C, *, cancel_on_failure: bool = False) -> AsyncGene
         ) from failure
     if error is None and background is not None:
         error = _single(background)
+        if error is None and failure is None:
+            # Only cancellations: an outer cancel scope was cancelled while the client
+            # shut down (several tasks met it). That cancellation goes on up, as one.
+            error = leaves(background)[0]
         if error is None:
             raise EngineDeadError("the engine client failed in the background") from background
     if error is not None:

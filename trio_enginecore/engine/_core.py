@@ -19,7 +19,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, TypeVar, cast, get_type_hints, overload
+from typing import Any, Final, NamedTuple, TypeVar, cast, get_type_hints, overload
 
 import msgspec
 import numpy as np
@@ -41,10 +41,16 @@ from ..protocol import (
     PauseMode,
     RequestError,
     SchedulerStats,
+    Tensor,
     UtilityOutput,
     UtilityResult,
 )
-from ._logprobs import logprobs_problem, prompt_logprobs, sample_logprobs
+from ._logprobs import (
+    logprobs_problem,
+    prompt_logprobs,
+    prompt_token_id_logprobs,
+    sample_logprobs,
+)
 from ._models import Model, make_model
 
 __all__ = ["EngineCore", "FatalEngineError", "PauseMode", "PrefixCache", "utility"]
@@ -118,6 +124,7 @@ class _Request:
         "output_token_ids",
         "prompt_len",
         "prompt_logprob_start",
+        "prompt_logprob_token_ids",
         "prompt_logprobs_top",
         "request_id",
         "rng",
@@ -164,8 +171,13 @@ class _Request:
         self.logprob_ids = params.logprob_token_ids or None
         self.logprobs_top = params.num_logprobs
         self.prompt_logprobs_top = params.prompt_logprobs
+        self.prompt_logprob_token_ids = params.prompt_logprob_token_ids
         self.prompt_logprob_start = params.prompt_logprob_start or 0
-        self.scored = self.logprobs_top is not None or self.prompt_logprobs_top is not None
+        self.scored = (
+            self.logprobs_top is not None
+            or self.prompt_logprobs_top is not None
+            or self.prompt_logprob_token_ids is not None
+        )
 
     @property
     def last_token_id(self) -> int:
@@ -179,6 +191,17 @@ class _Request:
     def take_events(self) -> list[EngineCoreEvent] | None:
         events, self.events = self.events, None
         return events
+
+
+class _Scored(NamedTuple):
+    """One request's logprobs of one step, for its output."""
+
+    position: int
+    """Its position in the step's batch."""
+    sample: LogprobsLists | None
+    prompt: LogprobsTensors | None
+    prompt_ids: Tensor | None
+    """The scores of its ``prompt_logprob_token_ids``."""
 
 
 def num_gpu_blocks(config: EngineConfig) -> int:
@@ -397,11 +420,14 @@ class EngineCore:
             params.logprobs is not None
             or params.prompt_logprobs is not None
             or params.logprob_token_ids is not None
+            or params.prompt_logprob_token_ids is not None
             or params.prompt_logprob_start is not None
         ):
             if not self.model.has_logprobs:
                 return f"the {self.model.name} model computes no logprobs"
-            return logprobs_problem(params, vocab, self.config.max_logprobs)
+            return logprobs_problem(
+                params, vocab, self.config.max_logprobs, self.config.max_model_len
+            )
         return None
 
     def reject(self, request_id: str, client_index: int, message: str) -> None:
@@ -585,19 +611,16 @@ class EngineCore:
         if scores is not None:
             self._attach(scores, outputs, first)
 
-    def _score(
-        self, batch: list[_Request], tokens: list[int]
-    ) -> list[tuple[int, LogprobsLists | None, LogprobsTensors | None]]:
-        """The logprobs of this step's requests that asked for them: ``(position in
-        the batch, sample logprobs, prompt logprobs)``. Prompt logprobs come with a
-        request's first token."""
-        scores: list[tuple[int, LogprobsLists | None, LogprobsTensors | None]] = []
+    def _score(self, batch: list[_Request], tokens: list[int]) -> list[_Scored]:
+        """The logprobs of this step's requests that asked for them. Prompt logprobs
+        come with a request's first token."""
+        scores: list[_Scored] = []
         model = self.model
         try:
             for index, state in enumerate(batch):
                 if not state.scored:
                     continue
-                sample = prompt = None
+                sample = prompt = prompt_ids = None
                 if state.logprobs_top is not None:
                     sample = sample_logprobs(
                         model,
@@ -606,34 +629,38 @@ class EngineCore:
                         top=state.logprobs_top,
                         ids=state.logprob_ids,
                     )
-                if state.prompt_logprobs_top is not None and not state.output_token_ids:
-                    prompt = prompt_logprobs(
-                        model,
-                        state.token_ids,
-                        top=state.prompt_logprobs_top,
-                        start=state.prompt_logprob_start,
-                    )
+                if not state.output_token_ids:
+                    if state.prompt_logprobs_top is not None:
+                        prompt = prompt_logprobs(
+                            model,
+                            state.token_ids,
+                            top=state.prompt_logprobs_top,
+                            start=state.prompt_logprob_start,
+                        )
+                    if state.prompt_logprob_token_ids is not None:
+                        prompt_ids = prompt_token_id_logprobs(
+                            model,
+                            state.token_ids,
+                            state.prompt_logprob_token_ids,
+                            start=state.prompt_logprob_start,
+                        )
                     if sample is None:
-                        # It asked for the prompt's logprobs only: done with it.
+                        # It asked about its prompt only, and has its answer.
                         state.scored = False
                         del self._scored[state.request_id]
-                scores.append((index, sample, prompt))
+                scores.append(_Scored(index, sample, prompt, prompt_ids))
         except Exception as exc:
             raise FatalEngineError(
                 f"model {model.name!r} failed computing logprobs: {exc!r}"
             ) from exc
         return scores
 
-    def _attach(
-        self,
-        scores: list[tuple[int, LogprobsLists | None, LogprobsTensors | None]],
-        outputs: list[EngineCoreOutput],
-        first: int,
-    ) -> None:
-        for index, sample, prompt in scores:
-            output = outputs[first + index]
+    def _attach(self, scores: list[_Scored], outputs: list[EngineCoreOutput], first: int) -> None:
+        for position, sample, prompt, prompt_ids in scores:
+            output = outputs[first + position]
             output.new_logprobs = sample
             output.new_prompt_logprobs_tensors = prompt
+            output.prompt_token_id_logprobs = prompt_ids
             if output.finish_reason is not None:
                 self._scored.pop(output.request_id, None)
 

@@ -11,7 +11,10 @@ A request with ``prompt_logprobs = k`` gets, on its first output, one row per pr
 position after the first (vLLM's ``LogprobsTensors``): the prompt token there with
 its logprob, then the top ``k``, each row scoring the token that follows the prompt up
 to it. Rows before ``prompt_logprob_start`` are left out, and a prompt with nothing to
-score gets none.
+score gets none. With ``prompt_logprob_token_ids`` (vLLM 0.34's ``[rows, ids]`` array)
+the first output also carries ``prompt_token_id_logprobs``: row ``i`` scores its ids as
+the token after the prompt up to position ``prompt_logprob_start + i``; a ``-1`` id
+(padding), and a row past the prompt's last, score ``-inf``.
 
 The values are the model's raw logprobs (vLLM's default ``logprobs_mode``,
 ``raw_logprobs``): the log-softmax of its logits before temperature, penalties and
@@ -30,9 +33,10 @@ every row of a step to the widest request of the batch, which a frontend cuts ba
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Final, SupportsIndex, overload
+from typing import Any, Final, SupportsIndex, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from ..protocol import LogprobsLists, LogprobsTensors, SamplingParams, Tensor
 from ._models import Model, Score
@@ -41,6 +45,7 @@ __all__ = [
     "MAX_LOGPROB_TOKEN_IDS",
     "logprobs_problem",
     "prompt_logprobs",
+    "prompt_token_id_logprobs",
     "sample_logprobs",
 ]
 
@@ -48,7 +53,9 @@ MAX_LOGPROB_TOKEN_IDS: Final = 128
 """The most ``logprob_token_ids`` a request may give (vLLM's limit)."""
 
 
-def logprobs_problem(params: SamplingParams, vocab_size: int, max_logprobs: int) -> str | None:
+def logprobs_problem(
+    params: SamplingParams, vocab_size: int, max_logprobs: int, max_model_len: int
+) -> str | None:
     """Why the engine cannot give the logprobs ``params`` asks for, in vLLM's words, or
     None. ``max_logprobs`` is the engine's limit (-1: the whole vocabulary)."""
     limit = vocab_size if max_logprobs == -1 else max_logprobs
@@ -76,6 +83,30 @@ def logprobs_problem(params: SamplingParams, vocab_size: int, max_logprobs: int)
                 "When both logprobs and logprob_token_ids are set, logprobs must equal "
                 f"len(logprob_token_ids). Got logprobs={params.logprobs}, "
                 f"len(logprob_token_ids)={len(ids)}."
+            )
+    table = params.prompt_logprob_token_ids
+    if table is not None:
+        if table.ndim != 2 or 0 in table.shape or table.dtype.kind not in "iu":
+            return (
+                "prompt_logprob_token_ids must be a non-empty integer array of shape "
+                "[num_rows, num_ids]."
+            )
+        rows, columns = table.shape
+        if rows > max_model_len - 1:
+            return (
+                f"prompt_logprob_token_ids has {rows} rows, but a prompt has at most "
+                f"{max_model_len - 1} scored rows (max_model_len - 1)."
+            )
+        if columns > limit:
+            return (
+                f"Requested {columns} token ids per row in prompt_logprob_token_ids, "
+                f"which is greater than max allowed: {limit}. Set max_logprobs "
+                f"(--max-logprobs) to at least {columns}."
+            )
+        if int(table.min()) < -1 or int(table.max()) >= vocab_size:
+            return (
+                "prompt_logprob_token_ids contain out-of-vocab token ids (-1 pads a "
+                f"row). Vocabulary size: {vocab_size}"
             )
     start = params.prompt_logprob_start
     if start is not None:
@@ -132,6 +163,23 @@ def prompt_logprobs(
     return LogprobsTensors(
         Tensor.from_numpy(row_ids), Tensor.from_numpy(values), Tensor.from_numpy(ranks)
     )
+
+
+def prompt_token_id_logprobs(
+    model: Model, prompt: Sequence[int], table: npt.NDArray[Any], *, start: int
+) -> Tensor:
+    """The scores of ``table``'s ids (``[rows, ids]``, -1 for padding), row ``i`` as
+    the token after ``prompt`` up to position ``start + i``: float32, ``-inf`` for
+    padding and for rows past the prompt's last (which scores the token after it)."""
+    scores = np.full(table.shape, -np.inf, dtype=np.float32)
+    for row in range(min(table.shape[0], len(prompt) - 1 - start)):
+        end = start + row
+        ids = table[row]
+        score = model.score(
+            _Prefix(prompt, end + 1), prompt[end + 1], ids=np.maximum(ids, 0).tolist()
+        )
+        scores[row] = np.where(ids >= 0, score.logprobs, -np.inf)
+    return Tensor.from_numpy(scores)
 
 
 def _width(model: Model, top: int) -> int:

@@ -60,6 +60,10 @@ class SamplingState(Protocol):
         ...
 
 
+_SORT_UP_TO: Final = 4096
+"""Vocabularies up to this size are ranked by a full sort (see :meth:`Model.score`)."""
+
+
 class Score(NamedTuple):
     """What a model says about one token at one position (see :meth:`Model.score`)."""
 
@@ -117,8 +121,15 @@ class Model(abc.ABC):
         it with the same results.
         """
         row = self.logprobs(token_ids)
-        chosen = np.asarray(ids, dtype=np.int64) if ids is not None else top_ids(row, top)
-        return Score(float(row[token]), rank_of(row, token), chosen, row[chosen])
+        if ids is None and row.size <= _SORT_UP_TO:
+            # A small vocabulary is ranked whole faster than partitioned.
+            order = np.argsort(-row, kind="stable")
+            rank = int(np.flatnonzero(order == token)[0]) + 1
+            chosen = order[: max(top, 0)]
+        else:
+            chosen = np.asarray(ids, dtype=np.int64) if ids is not None else top_ids(row, top)
+            rank = rank_of(row, token)
+        return Score(float(row[token]), rank, chosen, row[chosen])
 
     def tokenize(self, text: str) -> list[int]:
         """Text to token ids (for demos and tutorials)."""
@@ -178,11 +189,15 @@ class CounterModel(Model):
         ids: Sequence[int] | None = None,
     ) -> Score:
         # The closed form of logprobs(): O(top) instead of O(vocabulary).
-        distance = int(self._distance(token_ids, np.int64(token)))
+        vocab = self.vocab_size
+        produced = (token_ids[-1] + 1) % vocab
+        distance = (token - produced) % vocab
         if ids is None:
-            top = min(top, self.vocab_size)
-            chosen = (token_ids[-1] + 1 + np.arange(top, dtype=np.int64)) % self.vocab_size
-            values = _negated(np.arange(top))
+            count = max(min(top, vocab), 0)
+            chosen = np.arange(produced, produced + count, dtype=np.int64)
+            if produced + count > vocab:
+                chosen %= vocab
+            values = _negated(np.arange(count))
         else:
             chosen = np.asarray(ids, dtype=np.int64)
             values = _negated(self._distance(token_ids, chosen))
@@ -264,9 +279,9 @@ class NgramModel(Model):
     def logprobs(self, token_ids: Sequence[int]) -> npt.NDArray[np.float64]:
         """The log-softmax of the model's logits, the log of :meth:`distribution`
         (floored at 1e-300, about -690.8, for tokens the model has never seen there)."""
-        logits = np.log(np.maximum(self.distribution(token_ids), _FLOOR))
-        top = logits.max()
-        result: npt.NDArray[np.float64] = logits - (top + np.log(np.exp(logits - top).sum()))
+        # The floored probabilities are exp(logits): their softmax is them, normalised.
+        floored = np.maximum(self.distribution(token_ids), _FLOOR)
+        result: npt.NDArray[np.float64] = np.log(floored / floored.sum())
         return result
 
     def _sample(self, state: SamplingState) -> int:

@@ -244,54 +244,75 @@ async def _serve(args: argparse.Namespace) -> int:
     opened = cast(
         "AbstractAsyncContextManager[TrioEngineClient]", open_engine_client(config, **options)
     )
-    async with opened as client:
-        llm = AsyncLLM(client, tokenizer)
-        app = OpenAIApp(
-            llm,
-            ServerSettings(
-                served_model_names=names,
-                model_root=root,
-                api_key=args.api_key,
-                max_concurrent_requests=args.max_concurrent_requests,
-                chat_template=chat_template,
-                trust_request_chat_template=args.trust_request_chat_template,
-            ),
-        )
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                server = await nursery.start(serve_http, app, listeners)
-                host, port = _bound(listeners)
-                logger.info(
-                    "serving %r on http://%s:%d (OpenAI API under /v1; %d engine(s))",
-                    names[0],
-                    host,
-                    port,
-                    len(client.engines),
+    # The signals are this program's from here to the end, engines' startup and
+    # shutdown included: a signal at any moment is a drain or a stop, never Python's
+    # default (SIGTERM's death, SIGINT's KeyboardInterrupt in some task).
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as guard:
+            stopping = _Stopping(guard.cancel_scope)
+            guard.start_soon(_watch_signals, signals, stopping, args.shutdown_timeout_s)
+            async with opened as client:
+                llm = AsyncLLM(client, tokenizer)
+                app = OpenAIApp(
+                    llm,
+                    ServerSettings(
+                        served_model_names=names,
+                        model_root=root,
+                        api_key=args.api_key,
+                        max_concurrent_requests=args.max_concurrent_requests,
+                        chat_template=chat_template,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                    ),
                 )
-                # One line on stderr whatever the log level: scripts wait for it.
-                sys.stderr.write(
-                    f"trio-enginecore api-server: serving {names[0]!r} on http://{host}:{port}\n"
-                )
-                sys.stderr.flush()
-                async for signum in signals:
-                    logger.info(
-                        "%s: stopping; requests in flight may finish for %.0f s",
-                        signal.Signals(signum).name,
-                        args.shutdown_timeout_s,
-                    )
-                    break
-                nursery.start_soon(_stop_at_second_signal, signals, nursery.cancel_scope)
-                await server.shutdown(args.shutdown_timeout_s)
-                nursery.cancel_scope.cancel()
-        app.close()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        server = await nursery.start(serve_http, app, listeners)
+                        stopping.serving = True
+                        host, port = _bound(listeners)
+                        logger.info(
+                            "serving %r on http://%s:%d (OpenAI API under /v1; %d engine(s))",
+                            names[0],
+                            host,
+                            port,
+                            len(client.engines),
+                        )
+                        # One line on stderr whatever the log level: scripts wait for it.
+                        sys.stderr.write(
+                            f"trio-enginecore api-server: serving {names[0]!r} on "
+                            f"http://{host}:{port}\n"
+                        )
+                        sys.stderr.flush()
+                        await stopping.drain.wait()
+                        await server.shutdown(args.shutdown_timeout_s)
+                        nursery.cancel_scope.cancel()
+                finally:
+                    app.close()
+            guard.cancel_scope.cancel()  # the engines stopped: no more signals to watch
     return EXIT_OK
 
 
-async def _stop_at_second_signal(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:
+class _Stopping:
+    """What a signal does: before the server serves, or a second time, stop at once
+    (cancel everything: the client then kills its engines); the first while serving,
+    drain."""
+
+    def __init__(self, everything: trio.CancelScope) -> None:
+        self.everything = everything
+        self.serving = False
+        self.drain = trio.Event()
+
+
+async def _watch_signals(
+    signals: AsyncIterator[int], stopping: _Stopping, deadline_s: float
+) -> None:
     async for signum in signals:
-        logger.info("%s again: stopping at once", signal.Signals(signum).name)
-        scope.cancel()
-        return
+        name = signal.Signals(signum).name
+        if stopping.serving and not stopping.drain.is_set():
+            logger.info("%s: stopping; requests in flight may finish for %.0f s", name, deadline_s)
+            stopping.drain.set()
+        else:
+            logger.info("%s: stopping at once", name)
+            stopping.everything.cancel()
 
 
 def _template_text(chat_template: str) -> str:

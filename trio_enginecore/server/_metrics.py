@@ -470,12 +470,21 @@ class VllmMetrics:
             request.parent.abandoned = True
 
     def finish_request(
-        self, request_id: str, reason: FinishReason | str, now: float | None = None
+        self,
+        request_id: str,
+        reason: FinishReason | str,
+        now: float | None = None,
+        *,
+        generated: int | None = None,
     ) -> None:
         """An engine request finished for ``reason`` (a
         :class:`~trio_enginecore.protocol.FinishReason` or its name, as
         ``CompletionOutput.finish_reason``): count it and observe its latencies and
-        sizes. Unknown (or already finished) ids are ignored.
+        sizes. Unknown (or already finished) ids are ignored. ``generated``: the tokens
+        the request generated, as its output says; tokens recorded past them (outputs
+        that arrived after a stop string ended it, before this call) are taken back
+        from the generation counter, as vLLM, which finds stop strings as it records,
+        never counts them.
 
         Raises:
             ValueError: ``reason`` is no finish reason.
@@ -493,6 +502,9 @@ class VllmMetrics:
         engine = request.engine
         if engine is None:  # finished before any output: counted on the first engine
             engine = self._engine(min(self._engines, default=0))
+        if generated is not None and request.generated > generated:
+            engine.generation_tokens -= request.generated - generated
+            request.generated = generated
         engine.success[reason] += 1
         engine.e2e_latency.observe(now - request.arrival)
         decode = request.last_ts - request.first_ts

@@ -9,7 +9,9 @@ when the client goes away, the generator meets ``trio.Cancelled`` at its next
 checkpoint and leaving the ``generate`` block aborts the request on the engine.
 
 What differs from vLLM's server, and why: API-key failures answer an OpenAI-style
-body (vLLM's is ``{"error": "Unauthorized"}``), so that every error has one shape;
+body (vLLM's is ``{"error": "Unauthorized"}``), so that every error of a route has one
+shape (an unknown path or method is answered as vLLM's FastAPI answers it:
+``{"detail": "Not Found"}``, ``{"detail": "Method Not Allowed"}``);
 chat templates render in the request's task (vLLM uses one worker thread: a template
 is sandboxed Jinja, milliseconds at most); a request's ``chat_template`` is honoured
 only with ``trust_request_chat_template``, as in vLLM.
@@ -581,17 +583,12 @@ class OpenAIApp:
         return last
 
     def _finish_metrics(self, engine_ids: list[str], last: RequestOutput | None) -> None:
-        finished: dict[int, str] = {}
+        finished: dict[int, tuple[str, int]] = {}
         if last is not None:
             for output in last.outputs:
                 if output.finish_reason is not None:
-                    finished[output.index] = output.finish_reason
-        for index, engine_id in enumerate(engine_ids):
-            reason = finished.get(index)
-            if reason is None or reason == "abort":
-                self.metrics.forget_request(engine_id)
-            else:
-                self.metrics.finish_request(engine_id, reason)
+                    finished[output.index] = (output.finish_reason, len(output.token_ids))
+        self._finish_streamed(engine_ids, finished)
 
     async def _completion_events(
         self,
@@ -619,7 +616,7 @@ class OpenAIApp:
                 generated = [0] * n
                 echoed = [False] * n
                 offsets = [0] * n
-                finished: dict[int, str] = {}
+                finished: dict[int, tuple[str, int]] = {}
                 try:
                     async with block as outputs:
                         async for output in outputs:
@@ -654,7 +651,13 @@ class OpenAIApp:
                                 completion_tokens += new
                                 choice = i + p_index * n
                                 if reason is not None:
-                                    finished[i] = reason
+                                    # Counted now: outputs the engine sends after a
+                                    # stop string are not this request's.
+                                    finished[i] = (reason, generated[i])
+                                    if reason != "abort":
+                                        self.metrics.finish_request(
+                                            engine_ids[i], reason, generated=generated[i]
+                                        )
                                 if plain and not continuous and reason is None:
                                     yield frames.delta(choice, text)
                                     continue
@@ -698,13 +701,16 @@ class OpenAIApp:
             yield error_event(str(error), 500, "InternalServerError")
         yield DONE
 
-    def _finish_streamed(self, engine_ids: list[str], finished: dict[int, str]) -> None:
+    def _finish_streamed(self, engine_ids: list[str], finished: dict[int, tuple[str, int]]) -> None:
+        """The metrics of a request's engine requests at its end: each finished one
+        counted (with the tokens its output has), the others (aborted: the client
+        left, or a failure) forgotten, as vLLM does. Finishing twice is harmless."""
         for index, engine_id in enumerate(engine_ids):
-            reason = finished.get(index)
-            if reason is None or reason == "abort":
+            done = finished.get(index)
+            if done is None or done[0] == "abort":
                 self.metrics.forget_request(engine_id)
             else:
-                self.metrics.finish_request(engine_id, reason)
+                self.metrics.finish_request(engine_id, done[0], generated=done[1])
 
     async def _chat(self, request: Request) -> Response:
         await trio.lowlevel.checkpoint()
@@ -797,7 +803,7 @@ class OpenAIApp:
         plain = not body.logprobs and not body.return_token_ids and not continuous
         generated = [0] * n
         sent_finish = [False] * n
-        finished: dict[int, str] = {}
+        finished: dict[int, tuple[str, int]] = {}
         engine_ids = self._engine_ids(prepared)
         self.metrics.add_request(
             engine_ids, prompt_tokens=prompt_tokens, max_tokens=prepared.params.max_tokens
@@ -851,7 +857,11 @@ class OpenAIApp:
                                 continue
                             if reason is not None:
                                 sent_finish[i] = True
-                                finished[i] = reason
+                                finished[i] = (reason, generated[i])
+                                if reason != "abort":
+                                    self.metrics.finish_request(
+                                        engine_ids[i], reason, generated=generated[i]
+                                    )
                             logprobs = None
                             if body.logprobs:
                                 logprobs = chat_logprobs(

@@ -255,10 +255,22 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
         except ApiError:
             raise
         except (TypeError, ValueError) as exc:
-            # As vLLM's SamplingParams checks word it: a sentence, no param (the
-            # message names the field).
+            # As vLLM's SamplingParams checks word it: a sentence; the fields vLLM
+            # names as the parameter (with its value), named; the others not (the
+            # message names them).
             reason = _reason(exc)
-            raise ApiError(reason if reason.endswith(".") else reason + ".") from None
+            reason = reason if reason.endswith(".") else reason + "."
+            field = _param_of(exc) or reason.split(" ", 1)[0]
+            if field in _NAMED_BY_VLLM:
+                raise ApiError.invalid(reason, field, getattr(self, field, None)) from None
+            raise ApiError(reason) from None
+
+
+# The SamplingParams checks whose error vLLM 0.34 gives a ``parameter``
+# (``vllm/sampling_params.py``'s ``VLLMValidationError(..., parameter=...)``).
+_NAMED_BY_VLLM: Final = frozenset(
+    {"temperature", "top_p", "max_tokens", "stream_interval", "logprobs", "prompt_logprobs"}
+)
 
 
 @final

@@ -474,6 +474,7 @@ ENGINE_CORE_OUTPUT = st.builds(
             tensors(),
             tensors(),
             optional(st.lists(st.integers(0, 100), max_size=3)),
+            optional(tensors()),
         )
     ),
     pooling_output=optional(tensors()),

@@ -18,6 +18,7 @@ def test_defaults_describe_a_working_counter_engine() -> None:
     assert config.max_num_seqs == 256
     assert config.max_model_len == 4096
     assert config.max_loras == 4
+    assert config.max_logprobs == 20
     assert config.step_time_s == 0.0
     assert config.seed == 0
     assert config.log_stats is False
@@ -33,6 +34,8 @@ def test_defaults_describe_a_working_counter_engine() -> None:
         {"model": "ngram", "vocab_size": 300},
         {"max_num_seqs": 1, "max_model_len": 1},
         {"max_loras": 0, "seed": 0},
+        {"max_logprobs": 0},
+        {"max_logprobs": -1},
         {"step_time_s": 0, "drain_timeout_s": 0.0},
         {"step_time_s": 0.25, "drain_timeout_s": 5},
         {"data_parallel_size": 4, "data_parallel_rank": 3},
@@ -62,6 +65,9 @@ BAD_VALUES = [
     ("vocab_size", 1.5),
     ("max_loras", -1),
     ("max_loras", False),
+    ("max_logprobs", -2),
+    ("max_logprobs", 1.0),
+    ("max_logprobs", None),
     ("seed", -1),
     ("step_time_s", -1),
     ("step_time_s", math.nan),

@@ -37,8 +37,9 @@ CONFIGS = [
         data_parallel_rank=2,
         vllm_version="0.33.0",
         enable_fault_injection=True,
+        max_logprobs=5,
     ),
-    EngineConfig(step_time_s=1, drain_timeout_s=0, vocab_size=5, max_loras=7),
+    EngineConfig(step_time_s=1, drain_timeout_s=0, vocab_size=5, max_loras=7, max_logprobs=-1),
     EngineConfig(data_parallel_size=2, data_parallel_rank=1, log_stats=True),
 ]
 
@@ -111,6 +112,7 @@ def test_the_flags_are_those_engines_were_always_launched_with() -> None:
         ("--vocab-size", "300"),
         ("--log-stats",),
         ("--enable-fault-injection",),
+        ("--max-logprobs", "5"),  # since engines send logprobs
     ]
     assert _pairs(serve_arguments(CONFIGS[1])) == sorted(expected)
     # None and False are left out: the flag's default.

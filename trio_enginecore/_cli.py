@@ -291,7 +291,7 @@ def _api_server_parser(commands: Any) -> None:
         commands.add_parser(
             "api-server",
             help="serve OpenAI's API (needs the 'server' extra)",
-            description="Needs the 'server' extra: pip install 'trio-enginecore[server]'.",
+            description="Needs the 'server' extra: pip install '/path/to/trio-enginecore[server]'.",
         )
         return
     add_api_server_arguments(
@@ -434,7 +434,7 @@ def _run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     except ImportError as exc:
         parser.error(
             f"api-server needs the 'server' extra ({exc.name} is missing): "
-            "pip install 'trio-enginecore[server]'"
+            "pip install '/path/to/trio-enginecore[server]'"
         )
     return run_api_server(parser, args)
 

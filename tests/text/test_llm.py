@@ -6,6 +6,7 @@ Timing rules: engines run on this machine's two cores; no test asserts a duratio
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -15,7 +16,14 @@ import trio
 from trio_enginecore import EngineConfig, FinishReason, RequestOutputKind, SamplingParams
 from trio_enginecore.errors import InvalidInputError
 from trio_enginecore.testing import FakeEngine, open_fake_engine_client
-from trio_enginecore.text import AsyncLLM, RequestOutput, SyncLLM, builtin_tokenizer, open_llm
+from trio_enginecore.text import (
+    AsyncLLM,
+    Logprob,
+    RequestOutput,
+    SyncLLM,
+    builtin_tokenizer,
+    open_llm,
+)
 
 DELTA = RequestOutputKind.DELTA
 pytestmark = pytest.mark.slow
@@ -211,3 +219,92 @@ async def test_text_over_a_data_parallel_group_pins_ranks_and_balances() -> None
         assert sorted(c.index for c in spread.outputs) == [0, 1, 2, 3]
         stats = llm.client.statistics()
         assert [engine.in_flight for engine in stats.engines] == [0, 0]
+
+
+# ---------------------------------------------------------- logprobs from the engine
+
+
+def assert_position(position: dict[int, Logprob], chosen: int, num_logprobs: int) -> None:
+    """One position's map as vLLM builds it: the chosen token first, then the top
+    ``num_logprobs`` by rank (the chosen one among them appears once, with its top-k
+    rank), logprobs <= 0 and in rank order, each token's own text."""
+    tokenizer = builtin_tokenizer()
+    assert next(iter(position)) == chosen
+    rank = position[chosen].rank
+    assert rank is not None
+    assert len(position) == num_logprobs + (1 if rank > num_logprobs else 0)
+    by_rank = sorted(position.values(), key=lambda entry: entry.rank or 0)
+    assert [entry.rank for entry in by_rank[:num_logprobs]] == list(range(1, num_logprobs + 1))
+    values = [entry.logprob for entry in by_rank]
+    assert values == sorted(values, reverse=True)
+    assert all(value <= 0.0 for value in values)
+    assert all(entry.decoded_token == tokenizer.decode([i]) for i, entry in position.items())
+
+
+async def test_complete_gives_the_engines_logprobs_per_position() -> None:
+    async with open_llm() as llm:
+        output = await llm.complete("The river", max_tokens=12, logprobs=2, seed=1)
+        unasked = await llm.complete("The river", max_tokens=12, seed=1)
+    completion = output.outputs[0]
+    assert completion.logprobs is not None
+    assert len(completion.logprobs) == len(completion.token_ids) == 12
+    for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert_position(position, token, 2)
+    chosen = [
+        position[token].logprob
+        for token, position in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
+    assert completion.cumulative_logprob is not None
+    assert math.isclose(completion.cumulative_logprob, sum(chosen), rel_tol=1e-6)
+    # Logprobs change nothing about the text; a request without them gets none.
+    assert unasked.outputs[0].token_ids == completion.token_ids
+    assert unasked.outputs[0].logprobs is None
+    assert unasked.outputs[0].cumulative_logprob is None
+    assert unasked.prompt_logprobs is None
+
+
+async def test_the_whole_vocabulary_adds_up_to_one_at_each_position() -> None:
+    async with open_llm(EngineConfig(model="ngram", max_logprobs=-1)) as llm:
+        output = await llm.complete("Tea is", max_tokens=6, logprobs=-1, seed=2)
+    positions = output.outputs[0].logprobs
+    assert positions is not None
+    assert len(positions) == 6
+    for token, position in zip(output.outputs[0].token_ids, positions, strict=True):
+        assert len(position) == 257
+        assert next(iter(position)) == token
+        assert math.isclose(sum(math.exp(e.logprob) for e in position.values()), 1.0, rel_tol=1e-4)
+        assert sorted(e.rank or 0 for e in position.values()) == list(range(1, 258))
+
+
+async def test_prompt_logprobs_score_each_prompt_token_after_the_first() -> None:
+    tokenizer = builtin_tokenizer()
+    prompt_ids = tokenizer.encode("The river ran")
+    async with open_llm() as llm:
+        output = await llm.complete("The river ran", max_tokens=2, prompt_logprobs=2, seed=1)
+        later = await llm.complete(
+            "The river ran",
+            SamplingParams(max_tokens=2, prompt_logprobs=1, prompt_logprob_start=4, seed=1),
+        )
+    scored = output.prompt_logprobs
+    assert scored is not None
+    assert len(scored) == len(prompt_ids)
+    assert scored[0] is None
+    for token, position in zip(prompt_ids[1:], scored[1:], strict=True):
+        assert position is not None
+        assert_position(position, token, 2)
+    assert output.outputs[0].logprobs is None  # the prompt's only
+    assert later.prompt_logprobs is not None
+    assert later.prompt_logprobs[:5] == [None] * 5
+    assert [next(iter(p)) for p in later.prompt_logprobs[5:] if p] == prompt_ids[5:]
+
+
+async def test_logprob_token_ids_give_those_tokens_after_the_chosen_one() -> None:
+    wanted = list(b"aeiou")
+    params = SamplingParams(max_tokens=4, logprob_token_ids=wanted, seed=3)
+    async with open_llm() as llm:
+        output = await llm.complete("The garden", params)
+    completion = output.outputs[0]
+    assert completion.logprobs is not None
+    for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert list(position) == [token, *(i for i in wanted if i != token)]
+        assert all(entry.logprob <= 0.0 for entry in position.values())

@@ -1444,3 +1444,70 @@ async def test_an_engine_killed_mid_stream_fails_its_streams_and_the_other_serve
         on_live = await client.post(COMPLETIONS, json=one_token, headers=rank[1])
         assert on_live.status_code == 200
     assert not alive(server.engines[0])
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+async def test_completion_logprobs_describe_each_token_as_vllm_builds_them(
+    default_server: ApiServer,
+) -> None:
+    async with http(default_server) as client:
+        answer = await completion(
+            client, prompt=PROMPT, max_tokens=8, logprobs=2, seed=3, ignore_eos=True
+        )
+    (choice,) = answer["choices"]
+    logprobs = choice["logprobs"]
+    # One entry per token, whose texts make the text, each starting where the last ended.
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 8
+    starts = [0]
+    for token in logprobs["tokens"][:-1]:
+        starts.append(starts[-1] + len(token))
+    assert logprobs["text_offset"] == starts
+    for token, logprob, top in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
+        # The chosen token first, then the top 2: at most logprobs + 1 entries.
+        assert logprob <= 0
+        assert next(iter(top)) == token
+        assert top[token] == logprob
+        assert 1 <= len(top) <= 3
+
+
+async def test_streamed_chat_logprobs_come_with_each_chunk(default_server: ApiServer) -> None:
+    async with http(default_server) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": CHAT,
+                "max_completion_tokens": 5,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "seed": 3,
+                "stream": True,
+            },
+        )
+    assert response.status_code == 200
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[1:-1]]  # after the role chunk
+    content = [item for c in chunks for item in c["choices"][0]["logprobs"]["content"]]
+    assert len(content) == 5
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert "".join(item["token"] for item in content) == text
+    for item in content:
+        assert item["bytes"] == list(item["token"].encode())
+        assert len(item["top_logprobs"]) == 2
+        assert item["logprob"] <= 0
+
+
+async def test_more_logprobs_than_the_engine_allows_is_a_400(default_server: ApiServer) -> None:
+    async with http(default_server) as client:
+        response = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "logprobs": 30}
+        )
+        assert response.status_code == 400, response.text
+        assert "max allowed: 20" in response.json()["error"]["message"]
+        await completion(client, prompt=PROMPT, max_tokens=2)  # and it serves on

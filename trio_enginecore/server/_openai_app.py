@@ -275,7 +275,7 @@ class OpenAIApp:
         except EngineDeadError as error:
             return _error(_engine_dead(error))
         except RequestFailedError as error:
-            return _error(ApiError(str(error), status=500, error_type="InternalServerError"))
+            return _error(_request_failed(error))
 
     def _authorized(self, request: Request) -> bool:
         header = request.headers.get("authorization")
@@ -698,7 +698,8 @@ class OpenAIApp:
             dead = _engine_dead(error)
             yield error_event(dead.message, dead.status, dead.error_type)
         except RequestFailedError as error:
-            yield error_event(str(error), 500, "InternalServerError")
+            failed = _request_failed(error)
+            yield error_event(failed.message, failed.status, failed.error_type)
         yield DONE
 
     def _finish_streamed(self, engine_ids: list[str], finished: dict[int, tuple[str, int]]) -> None:
@@ -892,7 +893,8 @@ class OpenAIApp:
             dead = _engine_dead(error)
             yield error_event(dead.message, dead.status, dead.error_type)
         except RequestFailedError as error:
-            yield error_event(str(error), 500, "InternalServerError")
+            failed = _request_failed(error)
+            yield error_event(failed.message, failed.status, failed.error_type)
         yield DONE
 
 
@@ -957,6 +959,14 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
+
+
+def _request_failed(error: RequestFailedError) -> ApiError:
+    """An engine's refusal of a request: a 400 with the engine's words when the request
+    was at fault (vLLM's frontend refuses those before they reach an engine), else 500."""
+    if error.code == "invalid_request":
+        return ApiError(error.engine_message or str(error))
+    return ApiError(str(error), status=500, error_type="InternalServerError")
 
 
 def _engine_dead(error: EngineDeadError) -> ApiError:

@@ -34,6 +34,7 @@ from trio_enginecore.client import (
     Restart,
     open_ray_engine_client,
 )
+from trio_enginecore.server import ServerSettings
 
 from .support import children_of_this_process
 
@@ -50,6 +51,12 @@ SETTINGS: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (Restart, {"max_restart": 3}, "max_restart", "max_restarts"),
     (RemoteEngines, {"handshake_address": HANDSHAKE, "rank": {1}}, "rank", "ranks"),
     (RayEngines, {"stratagy": "PACK"}, "stratagy", "strategy"),
+    (
+        ServerSettings,
+        {"served_model_names": ["m"], "max_concurrent_request": 4},
+        "max_concurrent_request",
+        "max_concurrent_requests",
+    ),
 ]
 
 

@@ -31,6 +31,7 @@ from typing import Any, Final, cast, final
 import attrs
 import trio
 
+from .._keywords import suggest_keywords
 from ..errors import EngineDeadError, InvalidInputError, RequestFailedError
 from ..protocol import EngineCoreOutputs, SamplingParams
 from ..text import AsyncLLM, CompletionOutput, GenerationStream, RequestOutput
@@ -69,6 +70,7 @@ _SSE: Final = ("content-type", "text/event-stream; charset=utf-8")
 _GUARDED_PREFIX: Final = "/v1"
 
 
+@suggest_keywords
 @final
 @attrs.frozen(kw_only=True)
 class ServerSettings:

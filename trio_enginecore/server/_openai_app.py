@@ -25,7 +25,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Any, Final, cast, final
 
 import attrs
@@ -562,27 +562,33 @@ class OpenAIApp:
         )
 
     async def _run_all(self, prepared: list[_Prepared], blocks: list[Any]) -> list[RequestOutput]:
-        """Each prompt's final output (prompts one after another: all were sent first)."""
+        """Each prompt's final output: every prompt's requests sent first (the engine
+        batches them), then read one prompt after another."""
+        all_engine_ids = [self._engine_ids(one) for one in prepared]
+        lasts: list[RequestOutput | None] = [None] * len(prepared)
+        for one, engine_ids in zip(prepared, all_engine_ids, strict=True):
+            self.metrics.add_request(
+                engine_ids, prompt_tokens=len(one.token_ids), max_tokens=one.params.max_tokens
+            )
+        try:
+            async with AsyncExitStack() as stack:
+                streams = [await stack.enter_async_context(block) for block in blocks]
+                for i, outputs in enumerate(streams):
+                    async for output in outputs:
+                        lasts[i] = output
+        finally:
+            for engine_ids, last in zip(all_engine_ids, lasts, strict=True):
+                self._finish_metrics(engine_ids, last)
         finals: list[RequestOutput] = []
-        for one, block in zip(prepared, blocks, strict=True):
-            finals.append(await self._run_one(one, block))
+        for last in lasts:
+            assert last is not None, "a finished request always has a final output"
+            _raise_if_error(last)
+            finals.append(last)
         return finals
 
     async def _run_one(self, prepared: _Prepared, block: Any) -> RequestOutput:
-        engine_ids = self._engine_ids(prepared)
-        self.metrics.add_request(
-            engine_ids, prompt_tokens=len(prepared.token_ids), max_tokens=prepared.params.max_tokens
-        )
-        last: RequestOutput | None = None
-        try:
-            async with block as outputs:
-                async for output in outputs:
-                    last = output
-        finally:
-            self._finish_metrics(engine_ids, last)
-        assert last is not None
-        _raise_if_error(last)
-        return last
+        (final,) = await self._run_all([prepared], [block])
+        return final
 
     def _finish_metrics(self, engine_ids: list[str], last: RequestOutput | None) -> None:
         finished: dict[int, tuple[str, int]] = {}
@@ -606,92 +612,88 @@ class OpenAIApp:
         continuous = body.continuous_usage
         prompt_tokens = 0
         completion_tokens = 0
+        all_engine_ids = [self._engine_ids(one) for one in prepared]
+        all_finished: list[dict[int, tuple[str, int]]] = [{} for _ in prepared]
+        for one, engine_ids in zip(prepared, all_engine_ids, strict=True):
+            self.metrics.add_request(
+                engine_ids, prompt_tokens=len(one.token_ids), max_tokens=one.params.max_tokens
+            )
         try:
-            for p_index, (one, block) in enumerate(zip(prepared, blocks, strict=True)):
-                engine_ids = self._engine_ids(one)
-                self.metrics.add_request(
-                    engine_ids,
-                    prompt_tokens=len(one.token_ids),
-                    max_tokens=one.params.max_tokens,
-                )
-                prompt_tokens += len(one.token_ids)
-                generated = [0] * n
-                echoed = [False] * n
-                offsets = [0] * n
-                finished: dict[int, tuple[str, int]] = {}
-                try:
-                    async with block as outputs:
-                        async for output in outputs:
-                            for completion in output.outputs:
-                                i = completion.index
-                                reason = completion.finish_reason
-                                if reason == "error":
-                                    raise _GenerationError
-                                text = completion.text
-                                token_ids: list[int] = completion.token_ids
-                                positions: list[Any] = list(completion.logprobs or [])
-                                prompt_ids = None
-                                if body.echo and not echoed[i]:
-                                    echoed[i] = True
-                                    text = (one.text or "") + ("" if body.max_tokens == 0 else text)
-                                    token_ids, positions = self._echo_positions(
-                                        body, one, completion, output.prompt_logprobs
-                                    )
-                                    prompt_ids = one.token_ids
-                                elif (
-                                    not text
-                                    and not token_ids
-                                    and not generated[i]
-                                    and reason is None
-                                ):
-                                    continue
-                                if body.return_token_ids and not echoed[i]:
-                                    echoed[i] = True
-                                    prompt_ids = one.token_ids
-                                new = len(completion.token_ids)
-                                generated[i] += new
-                                completion_tokens += new
-                                choice = i + p_index * n
-                                if reason is not None:
-                                    # Counted now: outputs the engine sends after a
-                                    # stop string are not this request's.
-                                    finished[i] = (reason, generated[i])
-                                    if reason != "abort":
-                                        self.metrics.finish_request(
-                                            engine_ids[i], reason, generated=generated[i]
-                                        )
-                                if plain and not continuous and reason is None:
-                                    yield frames.delta(choice, text)
-                                    continue
-                                usage_so_far = None
-                                if continuous:
-                                    usage_so_far = {
-                                        "prompt_tokens": len(one.token_ids),
-                                        "total_tokens": len(one.token_ids) + generated[i],
-                                        "completion_tokens": generated[i],
-                                    }
-                                logprobs = None
-                                if body.logprobs is not None:
-                                    logprobs, offsets[i] = completion_logprobs(
-                                        token_ids,
-                                        positions,
-                                        body.logprobs,
-                                        offsets[i],
-                                        self._decode_one,
-                                    )
-                                yield frames.chunk(
-                                    choice,
-                                    text,
-                                    reason,
-                                    completion.stop_reason,
-                                    usage_so_far=usage_so_far,
-                                    token_ids=token_ids if body.return_token_ids else None,
-                                    prompt_token_ids=prompt_ids,
-                                    logprobs=logprobs,
-                                    fingerprinted=reason is not None and not body.include_usage,
+            async with AsyncExitStack() as stack:
+                # Every prompt's requests are sent first (the engine batches them), then
+                # read one prompt after another (the others' outputs wait, merged).
+                streams = [await stack.enter_async_context(block) for block in blocks]
+                for p_index, (one, outputs) in enumerate(zip(prepared, streams, strict=True)):
+                    engine_ids = all_engine_ids[p_index]
+                    finished = all_finished[p_index]
+                    prompt_tokens += len(one.token_ids)
+                    generated = [0] * n
+                    echoed = [False] * n
+                    offsets = [0] * n
+                    async for output in outputs:
+                        for completion in output.outputs:
+                            i = completion.index
+                            reason = completion.finish_reason
+                            if reason == "error":
+                                raise _GenerationError
+                            text = completion.text
+                            token_ids: list[int] = completion.token_ids
+                            positions: list[Any] = list(completion.logprobs or [])
+                            prompt_ids = None
+                            if body.echo and not echoed[i]:
+                                echoed[i] = True
+                                text = (one.text or "") + ("" if body.max_tokens == 0 else text)
+                                token_ids, positions = self._echo_positions(
+                                    body, one, completion, output.prompt_logprobs
                                 )
-                finally:
-                    self._finish_streamed(engine_ids, finished)
+                                prompt_ids = one.token_ids
+                            elif not text and not token_ids and not generated[i] and reason is None:
+                                continue
+                            if body.return_token_ids and not echoed[i]:
+                                echoed[i] = True
+                                prompt_ids = one.token_ids
+                            new = len(completion.token_ids)
+                            generated[i] += new
+                            completion_tokens += new
+                            choice = i + p_index * n
+                            if reason is not None:
+                                # Counted now: outputs the engine sends after a
+                                # stop string are not this request's.
+                                finished[i] = (reason, generated[i])
+                                if reason != "abort":
+                                    self.metrics.finish_request(
+                                        engine_ids[i], reason, generated=generated[i]
+                                    )
+                            if plain and not continuous and reason is None:
+                                yield frames.delta(choice, text)
+                                continue
+                            usage_so_far = None
+                            if continuous:
+                                usage_so_far = {
+                                    "prompt_tokens": len(one.token_ids),
+                                    "total_tokens": len(one.token_ids) + generated[i],
+                                    "completion_tokens": generated[i],
+                                }
+                            logprobs = None
+                            if body.logprobs is not None:
+                                logprobs, offsets[i] = completion_logprobs(
+                                    token_ids,
+                                    positions,
+                                    body.logprobs,
+                                    offsets[i],
+                                    self._decode_one,
+                                )
+                            yield frames.chunk(
+                                choice,
+                                text,
+                                reason,
+                                completion.stop_reason,
+                                usage_so_far=usage_so_far,
+                                token_ids=token_ids if body.return_token_ids else None,
+                                prompt_token_ids=prompt_ids,
+                                logprobs=logprobs,
+                                fingerprinted=reason is not None and not body.include_usage,
+                            )
             if body.include_usage:
                 yield frames.usage(prompt_tokens, completion_tokens)
         except _GenerationError:
@@ -702,6 +704,9 @@ class OpenAIApp:
         except RequestFailedError as error:
             failed = _request_failed(error)
             yield error_event(failed.message, failed.status, failed.error_type)
+        finally:
+            for engine_ids, finished in zip(all_engine_ids, all_finished, strict=True):
+                self._finish_streamed(engine_ids, finished)
         yield DONE
 
     def _finish_streamed(self, engine_ids: list[str], finished: dict[int, tuple[str, int]]) -> None:

@@ -62,6 +62,7 @@ ARGUMENTS: dict[str, tuple[Any, ...]] = {
     "remove_lora": (1,),
     "pin_lora": (1,),
     "set_weight_version": ("v1",),
+    "observe_outputs": (print,),
 }
 # Not calls on the engines: starting and closing the client.
 LIFECYCLE = {"start", "aclose"}

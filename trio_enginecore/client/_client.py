@@ -196,7 +196,11 @@ class TrioEngineClient(AsyncEngineCoreClient, trio.abc.AsyncResource):
         change the message. Its request ids are those on the wire: the caller's ids,
         except a reused id of an aborted request (then ``"<id>~<suffix>"``). One that
         raises is logged once and dropped; the outputs are served on.
+
+        Raises:
+            RuntimeError: the client was never started.
         """
+        self._require_started()
         observers = self._state.output_observers
         observers.append(observer)
 

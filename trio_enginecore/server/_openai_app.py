@@ -696,14 +696,8 @@ class OpenAIApp:
                             )
             if body.include_usage:
                 yield frames.usage(prompt_tokens, completion_tokens)
-        except _GenerationError:
-            yield error_event("Internal server error", 500, "InternalServerError")
-        except EngineDeadError as error:
-            dead = _engine_dead(error)
-            yield error_event(dead.message, dead.status, dead.error_type)
-        except RequestFailedError as error:
-            failed = _request_failed(error)
-            yield error_event(failed.message, failed.status, failed.error_type)
+        except (_GenerationError, EngineDeadError, RequestFailedError) as error:
+            yield _failure_event(error)
         finally:
             for engine_ids, finished in zip(all_engine_ids, all_finished, strict=True):
                 self._finish_streamed(engine_ids, finished)
@@ -894,14 +888,8 @@ class OpenAIApp:
                 self._finish_streamed(engine_ids, finished)
             if body.include_usage:
                 yield frames.usage(prompt_tokens, sum(generated))
-        except _GenerationError:
-            yield error_event("Internal server error", 500, "InternalServerError")
-        except EngineDeadError as error:
-            dead = _engine_dead(error)
-            yield error_event(dead.message, dead.status, dead.error_type)
-        except RequestFailedError as error:
-            failed = _request_failed(error)
-            yield error_event(failed.message, failed.status, failed.error_type)
+        except (_GenerationError, EngineDeadError, RequestFailedError) as error:
+            yield _failure_event(error)
         yield DONE
 
 
@@ -966,6 +954,18 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
+
+
+def _failure_event(error: Exception) -> bytes:
+    """The error event a stream ends with (before ``data: [DONE]``) when its request
+    failed after the response began, as vLLM sends it."""
+    if isinstance(error, EngineDeadError):
+        failure = _engine_dead(error)
+    elif isinstance(error, RequestFailedError):
+        failure = _request_failed(error)
+    else:  # a choice finished with finish_reason "error"
+        failure = ApiError("Internal server error", status=500, error_type="InternalServerError")
+    return error_event(failure.message, failure.status, failure.error_type)
 
 
 def _request_failed(error: RequestFailedError) -> ApiError:

@@ -33,12 +33,15 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import h11
@@ -50,6 +53,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from openai import Omit, omit
 from openai.types.chat import ChatCompletionMessageParam
 
+import trio_enginecore.text
+
 from .openai_server import (
     MODEL,
     ApiServer,
@@ -57,12 +62,14 @@ from .openai_server import (
     SseStream,
     alive,
     assert_openai_error,
+    children,
     cpu_ticks,
     post_json,
     sample,
     samples,
     sse_chunks,
     sse_stream,
+    start,
 )
 
 T = TypeVar("T")
@@ -1405,6 +1412,55 @@ async def test_a_second_signal_stops_at_once(patient_server: ApiServer) -> None:
         assert cut is not None or seen[-1] == "[DONE]", seen[-2:]
     assert "Traceback" not in server.log(), server.tail()
     await _wait_engines_gone(engines)
+
+
+# The engines' startup: vLLM's launcher faked (``tests/fake_vllm_cli.py``), so that it
+# fails, or takes a minute to load its model, as vLLM's does.
+FAKE_VLLM = Path(__file__).parents[1] / "fake_vllm_cli.py"
+TOKENIZER_DIR = Path(trio_enginecore.text.__file__).with_name("_ngram_tokenizer")
+ENGINE_CORE_PID = re.compile(r"engine core pid=(\d+)")
+
+
+def _over_fake_vllm(tmp_path: Path, *vllm_flags: str) -> ApiServer:
+    return start(
+        tmp_path / "server.log",
+        "--vllm",
+        "--model",
+        str(TOKENIZER_DIR),
+        "--vllm-command",
+        f"{sys.executable} {FAKE_VLLM}",
+        "--",
+        *vllm_flags,
+    )
+
+
+async def test_engines_that_cannot_start_exit_3_saying_why(tmp_path: Path) -> None:
+    server = _over_fake_vllm(tmp_path, "--fail-with", "no model here")
+    assert await _wait_exit(server, trio.current_time(), 60) == 3
+    # Its last words: one message (the launcher's exit, what vLLM said, its stderr's
+    # tail), not our traceback.
+    log = server.log()
+    said = log[log.rindex("trio-enginecore api-server: engine failed to start") :]
+    assert "exited with code 1" in said, said
+    assert "ValueError: no model here" in said, said
+    assert "ExceptionGroup" not in log, server.tail()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_signal_while_the_engines_load_stops_at_once_leaving_no_process(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    server = _over_fake_vllm(tmp_path, "--load-time-s", "60")
+    with trio.fail_after(60):
+        while not (found := ENGINE_CORE_PID.search(server.log())):
+            assert server.process.poll() is None, server.tail()
+            await trio.sleep(0.05)
+    launchers = children(server.process.pid)
+    assert launchers, server.tail()
+    server.send_signal(signum)
+    assert await _wait_exit(server, trio.current_time(), 10) == 0, server.tail()
+    assert "Traceback" not in server.log(), server.tail()
+    await _wait_engines_gone([*launchers, int(found[1])])
 
 
 # ------------------------------------------------------------------ an engine dies

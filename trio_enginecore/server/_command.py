@@ -25,6 +25,7 @@ from typing import Any, Final, cast
 
 import trio
 
+from .._groups import leaves
 from .._program import EXIT_ADDRESS, EXIT_OK, EXIT_STARTUP
 from ..config import MODELS, EngineConfig
 from ..errors import EngineStartupError, ModelDirectoryError
@@ -177,12 +178,39 @@ def run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error("--max-concurrent-requests must be at least 1")
     if args.data_parallel_size < 1:
         parser.error("--data-parallel-size must be at least 1")
+    # The signals are this program's from here to its exit. Until the run's signal
+    # receiver opens, and after it closes (the engines stopped, the interpreter on its
+    # way out), a signal is only noted: Python's defaults would end the process by
+    # SIGTERM (exit -15) or a KeyboardInterrupt in the middle of its shutdown.
+    early = _EarlySignals()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, early.note)
     try:
-        return trio.run(_serve, args, restrict_keyboard_interrupt_to_checkpoints=True)
-    except (EngineStartupError, ModelDirectoryError) as exc:
-        return _fail(str(exc), EXIT_STARTUP)
-    except OSError as exc:
-        return _fail(f"cannot listen on {args.host}:{args.port}: {exc}", EXIT_ADDRESS)
+        return trio.run(_serve, args, early, restrict_keyboard_interrupt_to_checkpoints=True)
+    except BaseException as exc:
+        failure = _sole_failure(exc)
+        if isinstance(failure, EngineStartupError | ModelDirectoryError):
+            return _fail(str(failure), EXIT_STARTUP)
+        if isinstance(failure, OSError):
+            return _fail(f"cannot listen on {args.host}:{args.port}: {failure}", EXIT_ADDRESS)
+        raise
+
+
+class _EarlySignals:
+    """The signals that came while no signal receiver was open."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def note(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+
+def _sole_failure(error: BaseException) -> BaseException | None:
+    """The one exception ``error`` stands for (itself, or the only one in its group
+    beside the cancellations it caused), or None for several."""
+    failures = [leaf for leaf in leaves(error) if not isinstance(leaf, trio.Cancelled)]
+    return failures[0] if len(failures) == 1 else None
 
 
 def _engine_options(args: argparse.Namespace, model_dir: str | None) -> dict[str, Any]:
@@ -207,7 +235,24 @@ def _engine_options(args: argparse.Namespace, model_dir: str | None) -> dict[str
     return options
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, early: _EarlySignals) -> int:
+    # The receiver opens first: a signal while the tokenizer loads, the engines start
+    # or stop is a stop, never Python's default (SIGTERM's death, SIGINT's
+    # KeyboardInterrupt in some task).
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        if early.received:
+            logger.info("%s: stopping at once", signal.Signals(early.received[0]).name)
+            return EXIT_OK
+        async with trio.open_nursery() as guard:
+            stopping = _Stopping(guard.cancel_scope)
+            guard.start_soon(_watch_signals, signals, stopping, args.shutdown_timeout_s)
+            await _start_and_serve(args, stopping)
+            guard.cancel_scope.cancel()  # the engines stopped: no more signals to watch
+    return EXIT_OK
+
+
+async def _start_and_serve(args: argparse.Namespace, stopping: _Stopping) -> None:
+    """Load the tokenizer, start the engines, serve until ``stopping.drain``."""
     from ..client import TrioEngineClient, open_engine_client
     from ..text import AsyncLLM, builtin_tokenizer, load_tokenizer
     from ._http import serve_http
@@ -244,51 +289,41 @@ async def _serve(args: argparse.Namespace) -> int:
     opened = cast(
         "AbstractAsyncContextManager[TrioEngineClient]", open_engine_client(config, **options)
     )
-    # The signals are this program's from here to the end, engines' startup and
-    # shutdown included: a signal at any moment is a drain or a stop, never Python's
-    # default (SIGTERM's death, SIGINT's KeyboardInterrupt in some task).
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as guard:
-            stopping = _Stopping(guard.cancel_scope)
-            guard.start_soon(_watch_signals, signals, stopping, args.shutdown_timeout_s)
-            async with opened as client:
-                llm = AsyncLLM(client, tokenizer)
-                app = OpenAIApp(
-                    llm,
-                    ServerSettings(
-                        served_model_names=names,
-                        model_root=root,
-                        api_key=args.api_key,
-                        max_concurrent_requests=args.max_concurrent_requests,
-                        chat_template=chat_template,
-                        trust_request_chat_template=args.trust_request_chat_template,
-                    ),
+    async with opened as client:
+        llm = AsyncLLM(client, tokenizer)
+        app = OpenAIApp(
+            llm,
+            ServerSettings(
+                served_model_names=names,
+                model_root=root,
+                api_key=args.api_key,
+                max_concurrent_requests=args.max_concurrent_requests,
+                chat_template=chat_template,
+                trust_request_chat_template=args.trust_request_chat_template,
+            ),
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(serve_http, app, listeners)
+                stopping.serving = True
+                host, port = _bound(listeners)
+                logger.info(
+                    "serving %r on http://%s:%d (OpenAI API under /v1; %d engine(s))",
+                    names[0],
+                    host,
+                    port,
+                    len(client.engines),
                 )
-                try:
-                    async with trio.open_nursery() as nursery:
-                        server = await nursery.start(serve_http, app, listeners)
-                        stopping.serving = True
-                        host, port = _bound(listeners)
-                        logger.info(
-                            "serving %r on http://%s:%d (OpenAI API under /v1; %d engine(s))",
-                            names[0],
-                            host,
-                            port,
-                            len(client.engines),
-                        )
-                        # One line on stderr whatever the log level: scripts wait for it.
-                        sys.stderr.write(
-                            f"trio-enginecore api-server: serving {names[0]!r} on "
-                            f"http://{host}:{port}\n"
-                        )
-                        sys.stderr.flush()
-                        await stopping.drain.wait()
-                        await server.shutdown(args.shutdown_timeout_s)
-                        nursery.cancel_scope.cancel()
-                finally:
-                    app.close()
-            guard.cancel_scope.cancel()  # the engines stopped: no more signals to watch
-    return EXIT_OK
+                # One line on stderr whatever the log level: scripts wait for it.
+                sys.stderr.write(
+                    f"trio-enginecore api-server: serving {names[0]!r} on http://{host}:{port}\n"
+                )
+                sys.stderr.flush()
+                await stopping.drain.wait()
+                await server.shutdown(args.shutdown_timeout_s)
+                nursery.cancel_scope.cancel()
+        finally:
+            app.close()
 
 
 class _Stopping:

@@ -36,7 +36,13 @@ def _group(name: str) -> list[str]:
 def tests(session: nox.Session) -> None:
     """Run the test suite (real engine processes and ZMQ sockets on loopback/ipc)."""
     session.install("-e", ".", *_group("test"))
-    session.run("pytest", *session.posargs)
+    # Most of the suite's time is waiting (engines' steps, deadlines, processes
+    # starting), so files run in parallel: one worker per core, at most 4 (the
+    # liveness tests hold on a loaded host, which this makes it, not on an overloaded
+    # one). `--dist loadfile` keeps a file's tests, and its module fixtures (servers,
+    # engines), in one worker.
+    workers = str(min(os.cpu_count() or 1, 4))
+    session.run("pytest", "-n", workers, "--dist", "loadfile", *session.posargs)
 
 
 @nox.session

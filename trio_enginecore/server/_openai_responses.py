@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, Final, final
+from typing import Any, ClassVar, Final, final
 
 import msgspec
 
@@ -82,6 +82,64 @@ def _split_template(frame: bytes, index_probe: bytes, text_probe: bytes) -> tupl
 
 _INDEX_PROBE: Final = 987654321
 _TEXT_PROBE: Final = "\x00probe\x00"
+
+
+class _StreamFrames:
+    """What the events of one streamed response share: its identity (``id``,
+    ``object``, ``created``, ``model``, ``system_fingerprint``), the chunk of new text
+    as a template encoded once, and the usage chunk."""
+
+    __slots__ = (
+        "_head",
+        "_infix",
+        "_suffix",
+        "created",
+        "model",
+        "request_id",
+        "system_fingerprint",
+    )
+
+    OBJECT: ClassVar[str]
+    """The chunks' ``object``."""
+
+    def __init__(
+        self, request_id: str, created: int, model: str, system_fingerprint: str | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.system_fingerprint = system_fingerprint
+        # A text chunk with values no real one has, cut where the two go.
+        self._head, self._infix, self._suffix = _split_template(
+            self._text_chunk_probe(), str(_INDEX_PROBE).encode(), _encoder.encode(_TEXT_PROBE)
+        )
+
+    def _text_chunk_probe(self) -> bytes:
+        """A chunk of the text ``_TEXT_PROBE`` for choice ``_INDEX_PROBE``, not its last."""
+        raise NotImplementedError
+
+    def _payload(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": self.OBJECT,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def delta(self, index: int, text: str) -> bytes:
+        """A chunk of new text of choice ``index``, not its last."""
+        return b"".join(
+            (self._head, str(index).encode(), self._infix, _encoder.encode(text), self._suffix)
+        )
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last chunk with ``include_usage``: no choices, the usage (nulls left out)."""
+        payload = self._payload([])
+        payload["usage"] = _usage_without_nulls(prompt_tokens, completion_tokens)
+        if self.system_fingerprint is not None:
+            payload["system_fingerprint"] = self.system_fingerprint
+        return _event(payload)
 
 
 # ------------------------------------------------------------------ logprobs
@@ -246,74 +304,14 @@ def completion_response(
 
 
 @final
-class CompletionFrames:
+class CompletionFrames(_StreamFrames):
     """The events of one streamed ``/v1/completions`` response."""
 
-    __slots__ = (
-        "_head",
-        "_infix",
-        "_suffix",
-        "created",
-        "model",
-        "request_id",
-        "system_fingerprint",
-    )
+    __slots__ = ()
+    OBJECT = "text_completion"
 
-    def __init__(
-        self, request_id: str, created: int, model: str, system_fingerprint: str | None = None
-    ) -> None:
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.system_fingerprint = system_fingerprint
-        probe = self._chunk(_INDEX_PROBE, _TEXT_PROBE, None, None)
-        self._head, self._infix, self._suffix = _split_template(
-            probe, str(_INDEX_PROBE).encode(), _encoder.encode(_TEXT_PROBE)
-        )
-
-    def _chunk(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        *,
-        usage_so_far: dict[str, Any] | None = None,
-        token_ids: list[int] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        logprobs: dict[str, Any] | None = None,
-        fingerprinted: bool = False,
-    ) -> bytes:
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                    "stop_reason": stop_reason,
-                    "prompt_token_ids": prompt_token_ids,
-                    "token_ids": token_ids,
-                    "weight_versions": None,
-                }
-            ],
-        }
-        if usage_so_far is not None:
-            payload["usage"] = usage_so_far
-        if fingerprinted and self.system_fingerprint is not None:
-            payload["system_fingerprint"] = self.system_fingerprint
-        payload["kv_transfer_params"] = None
-        return _event(payload)
-
-    def delta(self, index: int, text: str) -> bytes:
-        """A chunk of new text of choice ``index``, not its last."""
-        return b"".join(
-            (self._head, str(index).encode(), self._infix, _encoder.encode(text), self._suffix)
-        )
+    def _text_chunk_probe(self) -> bytes:
+        return self.chunk(_INDEX_PROBE, _TEXT_PROBE, None, None)
 
     def chunk(
         self,
@@ -332,35 +330,23 @@ class CompletionFrames:
         the usage so far (``continuous_usage_stats``), token ids (``return_token_ids``)
         or logprobs. ``fingerprinted``: with the ``system_fingerprint`` (vLLM stamps it
         on a choice's last chunk when no usage chunk follows)."""
-        return self._chunk(
-            index,
-            text,
-            finish_reason,
-            stop_reason,
-            usage_so_far=usage_so_far,
-            token_ids=token_ids,
-            prompt_token_ids=prompt_token_ids,
-            logprobs=logprobs,
-            fingerprinted=fingerprinted,
-        )
-
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        """The last chunk with ``include_usage``: no choices, the usage (nulls left out)."""
-        return _event(
-            {
-                "id": self.request_id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": _usage_without_nulls(prompt_tokens, completion_tokens),
-                **self._fingerprint(),
-            }
-        )
-
-    def _fingerprint(self) -> dict[str, str]:
-        fingerprint = self.system_fingerprint
-        return {} if fingerprint is None else {"system_fingerprint": fingerprint}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+            "prompt_token_ids": prompt_token_ids,
+            "token_ids": token_ids,
+            "weight_versions": None,
+        }
+        payload = self._payload([choice])
+        if usage_so_far is not None:
+            payload["usage"] = usage_so_far
+        if fingerprinted and self.system_fingerprint is not None:
+            payload["system_fingerprint"] = self.system_fingerprint
+        payload["kv_transfer_params"] = None
+        return _event(payload)
 
 
 # ------------------------------------------------------------------ chat
@@ -424,71 +410,14 @@ def chat_response(
 
 
 @final
-class ChatFrames:
+class ChatFrames(_StreamFrames):
     """The events of one streamed ``/v1/chat/completions`` response."""
 
-    __slots__ = (
-        "_head",
-        "_infix",
-        "_suffix",
-        "created",
-        "model",
-        "request_id",
-        "system_fingerprint",
-    )
+    __slots__ = ()
+    OBJECT = "chat.completion.chunk"
 
-    def __init__(
-        self, request_id: str, created: int, model: str, system_fingerprint: str | None = None
-    ) -> None:
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.system_fingerprint = system_fingerprint
-        probe = self._chunk(_INDEX_PROBE, {"content": _TEXT_PROBE}, None, None, final=False)
-        self._head, self._infix, self._suffix = _split_template(
-            probe, str(_INDEX_PROBE).encode(), _encoder.encode(_TEXT_PROBE)
-        )
-
-    def _chunk(
-        self,
-        index: int,
-        delta: dict[str, Any],
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        *,
-        final: bool,
-        usage_so_far: dict[str, Any] | None = None,
-        token_ids: list[int] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        logprobs: dict[str, Any] | None = None,
-        fingerprinted: bool = False,
-    ) -> bytes:
-        choice: dict[str, Any] = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        if final:
-            choice["stop_reason"] = stop_reason
-        choice["token_ids"] = token_ids
-        if final:
-            choice["weight_versions"] = None
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-        if usage_so_far is not None:
-            payload["usage"] = usage_so_far
-        if fingerprinted and self.system_fingerprint is not None:
-            payload["system_fingerprint"] = self.system_fingerprint
-        if prompt_token_ids is not None:
-            payload["prompt_token_ids"] = prompt_token_ids
-        payload["kv_transfer_params"] = None
-        return _event(payload)
+    def _text_chunk_probe(self) -> bytes:
+        return self.chunk(_INDEX_PROBE, _TEXT_PROBE, None, None)
 
     def role(
         self,
@@ -499,31 +428,21 @@ class ChatFrames:
         prompt_token_ids: list[int] | None = None,
     ) -> bytes:
         """The first chunk of choice ``index``: its role and empty content."""
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
+        payload = self._payload(
+            [
                 {
                     "index": index,
                     "delta": {"role": role, "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
-            ],
-        }
+            ]
+        )
         if usage_so_far is not None:
             payload["usage"] = usage_so_far
         payload["prompt_token_ids"] = prompt_token_ids
         payload["prompt_text"] = None
         return _event(payload)
-
-    def delta(self, index: int, text: str) -> bytes:
-        """A chunk of new content of choice ``index``, not its last."""
-        return b"".join(
-            (self._head, str(index).encode(), self._infix, _encoder.encode(text), self._suffix)
-        )
 
     def chunk(
         self,
@@ -540,36 +459,26 @@ class ChatFrames:
         """Any content chunk of choice ``index``: the last one (``finish_reason`` set;
         ``text`` None for an empty delta), or one with the usage so far, token ids or
         logprobs; ``fingerprinted`` as :meth:`CompletionFrames.chunk`."""
-        delta: dict[str, Any] = {} if text is None else {"content": text}
-        return self._chunk(
-            index,
-            delta,
-            finish_reason,
-            stop_reason,
-            final=finish_reason is not None,
-            usage_so_far=usage_so_far,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            fingerprinted=fingerprinted,
-        )
-
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        """The last chunk with ``include_usage``: no choices, the usage (nulls left out)."""
-        return _event(
-            {
-                "id": self.request_id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": _usage_without_nulls(prompt_tokens, completion_tokens),
-                **(
-                    {}
-                    if self.system_fingerprint is None
-                    else {"system_fingerprint": self.system_fingerprint}
-                ),
-            }
-        )
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": {} if text is None else {"content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        # vLLM's last chunk of a choice carries two fields more, in its model's order.
+        final = finish_reason is not None
+        if final:
+            choice["stop_reason"] = stop_reason
+        choice["token_ids"] = token_ids
+        if final:
+            choice["weight_versions"] = None
+        payload = self._payload([choice])
+        if usage_so_far is not None:
+            payload["usage"] = usage_so_far
+        if fingerprinted and self.system_fingerprint is not None:
+            payload["system_fingerprint"] = self.system_fingerprint
+        payload["kv_transfer_params"] = None
+        return _event(payload)
 
 
 def error_event(message: str, status: int, error_type: str) -> bytes:

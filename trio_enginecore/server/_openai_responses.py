@@ -127,6 +127,17 @@ class _StreamFrames:
             "choices": choices,
         }
 
+    def _choice_chunk(
+        self, choice: dict[str, Any], usage_so_far: dict[str, Any] | None, *, fingerprinted: bool
+    ) -> bytes:
+        payload = self._payload([choice])
+        if usage_so_far is not None:
+            payload["usage"] = usage_so_far
+        if fingerprinted and self.system_fingerprint is not None:
+            payload["system_fingerprint"] = self.system_fingerprint
+        payload["kv_transfer_params"] = None
+        return _event(payload)
+
     def delta(self, index: int, text: str) -> bytes:
         """A chunk of new text of choice ``index``, not its last."""
         return b"".join(
@@ -340,13 +351,7 @@ class CompletionFrames(_StreamFrames):
             "token_ids": token_ids,
             "weight_versions": None,
         }
-        payload = self._payload([choice])
-        if usage_so_far is not None:
-            payload["usage"] = usage_so_far
-        if fingerprinted and self.system_fingerprint is not None:
-            payload["system_fingerprint"] = self.system_fingerprint
-        payload["kv_transfer_params"] = None
-        return _event(payload)
+        return self._choice_chunk(choice, usage_so_far, fingerprinted=fingerprinted)
 
 
 # ------------------------------------------------------------------ chat
@@ -472,13 +477,7 @@ class ChatFrames(_StreamFrames):
         choice["token_ids"] = token_ids
         if final:
             choice["weight_versions"] = None
-        payload = self._payload([choice])
-        if usage_so_far is not None:
-            payload["usage"] = usage_so_far
-        if fingerprinted and self.system_fingerprint is not None:
-            payload["system_fingerprint"] = self.system_fingerprint
-        payload["kv_transfer_params"] = None
-        return _event(payload)
+        return self._choice_chunk(choice, usage_so_far, fingerprinted=fingerprinted)
 
 
 def error_event(message: str, status: int, error_type: str) -> bytes:

@@ -38,7 +38,7 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -124,15 +124,6 @@ def fleet(
         fleet.stop()
 
 
-@contextmanager
-def taken(fleet: Fleet, name: str) -> Iterator[ApiServer]:
-    server = fleet.take(name)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="module")
 def default_server(fleet: Fleet) -> Iterator[ApiServer]:
     """``api-server`` with no options: the reference engine's ngram model. It stops
@@ -146,50 +137,39 @@ def default_server(fleet: Fleet) -> Iterator[ApiServer]:
     assert "Traceback" not in server.log(), server.tail(80)
 
 
-@pytest.fixture(scope="module")
-def long_server(fleet: Fleet) -> Iterator[ApiServer]:
-    """Streams can run for a minute (``--max-model-len 1000000``)."""
-    with taken(fleet, "long_server") as server:
-        yield server
+def _server_fixture(name: str, doc: str) -> Any:
+    """The fixture giving the server ``name`` of :data:`SERVERS`: shared by the module's
+    tests (:data:`SHARED`) or one test's, stopped after its last user."""
+
+    @pytest.fixture(name=name, scope="module" if name in SHARED else "function")
+    def server(fleet: Fleet) -> Iterator[ApiServer]:
+        taken = fleet.take(name)
+        try:
+            yield taken
+        finally:
+            taken.stop()
+
+    server.__doc__ = doc
+    return server
 
 
-@pytest.fixture(scope="module")
-def small_server(fleet: Fleet) -> Iterator[ApiServer]:
-    """``--max-model-len 64``; requests may bring their own chat template."""
-    with taken(fleet, "small_server") as server:
-        yield server
-
-
-@pytest.fixture
-def key_server(fleet: Fleet) -> Iterator[ApiServer]:
-    with taken(fleet, "key_server") as server:
-        yield server
-
-
-@pytest.fixture
-def limited_server(fleet: Fleet) -> Iterator[ApiServer]:
-    with taken(fleet, "limited_server") as server:
-        yield server
-
-
-@pytest.fixture
-def draining_server(fleet: Fleet) -> Iterator[ApiServer]:
-    """Requests in flight at a signal have 2 s to finish."""
-    with taken(fleet, "draining_server") as server:
-        yield server
-
-
-@pytest.fixture
-def patient_server(fleet: Fleet) -> Iterator[ApiServer]:
-    """Requests in flight at a signal have a minute to finish."""
-    with taken(fleet, "patient_server") as server:
-        yield server
-
-
-@pytest.fixture
-def two_engine_server(fleet: Fleet) -> Iterator[ApiServer]:
-    with taken(fleet, "two_engine_server") as server:
-        yield server
+long_server = _server_fixture(
+    "long_server", "Streams can run for a minute (``--max-model-len 1000000``)."
+)
+small_server = _server_fixture(
+    "small_server", "``--max-model-len 64``; requests may bring their own chat template."
+)
+key_server = _server_fixture("key_server", "``--api-key sekret``.")
+limited_server = _server_fixture("limited_server", "Two requests at a time, then 503.")
+draining_server = _server_fixture(
+    "draining_server", "Requests in flight at a signal have 2 s to finish."
+)
+patient_server = _server_fixture(
+    "patient_server", "Requests in flight at a signal have a minute to finish."
+)
+two_engine_server = _server_fixture(
+    "two_engine_server", "Two engines; a dead one is routed around."
+)
 
 
 # ------------------------------------------------------------------ clients

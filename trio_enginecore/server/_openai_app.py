@@ -638,7 +638,7 @@ class OpenAIApp:
                                 raise _GenerationError
                             text = completion.text
                             token_ids: list[int] = completion.token_ids
-                            positions: list[Any] = list(completion.logprobs or [])
+                            positions: list[Any] | None = None  # logprobs: made when asked
                             prompt_ids = None
                             if body.echo and not echoed[i]:
                                 echoed[i] = True
@@ -676,6 +676,8 @@ class OpenAIApp:
                                 }
                             logprobs = None
                             if body.logprobs is not None:
+                                if positions is None:
+                                    positions = list(completion.logprobs or [])
                                 logprobs, offsets[i] = completion_logprobs(
                                     token_ids,
                                     positions,

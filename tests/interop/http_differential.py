@@ -216,6 +216,57 @@ CASES: list[Case] = [
         stream_options=_USAGE,
     ),
     _chat("chat_stream_stop", messages=CHAT, max_completion_tokens=8, stop="?@", stream=True),
+    # ------------------------------------------------------------------ logprobs
+    # The fake executor's counter model gives the token d ids on logprob 0.25 - d/2.
+    _completion("completions_logprobs", prompt=PROMPT, max_tokens=6, logprobs=2),
+    _completion("completions_logprobs_0", prompt=PROMPT, max_tokens=3, logprobs=0),
+    _completion("completions_logprobs_stop", prompt=PROMPT, max_tokens=16, stop="xyz", logprobs=1),
+    # Tokens that are no UTF-8 on their own: "bytes:\\xfb"-style token texts.
+    _completion("completions_logprobs_bytes", prompt=NEAR_EOS, max_tokens=4, logprobs=3),
+    _completion(
+        "completions_stream_logprobs", prompt=PROMPT, max_tokens=4, logprobs=2, stream=True
+    ),
+    _completion(
+        "completions_stream_logprobs_n2",
+        prompt=PROMPT,
+        max_tokens=3,
+        logprobs=1,
+        n=2,
+        stream=True,
+    ),
+    _chat("chat_logprobs", messages=CHAT, max_completion_tokens=4, logprobs=True, top_logprobs=2),
+    _chat("chat_logprobs_no_top", messages=CHAT, max_completion_tokens=3, logprobs=True),
+    _chat(
+        "chat_stream_logprobs",
+        messages=CHAT,
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    ),
+    _completion("bad_logprobs_too_many", prompt=PROMPT, max_tokens=2, logprobs=21),
+    _chat(
+        "bad_top_logprobs_too_many",
+        messages=CHAT,
+        max_completion_tokens=2,
+        logprobs=True,
+        top_logprobs=21,
+    ),
+    _completion("bad_logprobs_negative", prompt=PROMPT, max_tokens=2, logprobs=-2),
+    _completion("bad_prompt_logprobs_negative", prompt=PROMPT, max_tokens=2, prompt_logprobs=-2),
+    _completion(
+        "bad_prompt_logprobs_stream", prompt=PROMPT, max_tokens=2, prompt_logprobs=1, stream=True
+    ),
+    _chat(
+        "bad_top_logprobs_negative",
+        messages=CHAT,
+        max_completion_tokens=2,
+        logprobs=True,
+        top_logprobs=-2,
+    ),
+    _chat(
+        "bad_top_logprobs_without_logprobs", messages=CHAT, max_completion_tokens=2, top_logprobs=2
+    ),
     # ---------------------------------------------------------------- the others
     Case("models", "GET", "/v1/models"),
     Case("tokenize", "POST", "/tokenize", {"model": MODEL, "prompt": PROMPT}),

@@ -174,6 +174,17 @@ def check_counter_model(answers: dict[str, dict[str, Any]]) -> None:
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
+    # Logprobs: the counter's, the sampled token first and on top (see fake_executor).
+    (choice,) = _json(answers, "completions_logprobs")["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == list("tuvwxy")
+    assert logprobs["token_logprobs"] == [-0.25] * 6
+    assert logprobs["top_logprobs"][0] == {"t": -0.25, "u": -0.75}
+    (choice,) = _json(answers, "chat_logprobs")["choices"]
+    first = choice["logprobs"]["content"][0]
+    assert (first["token"], first["logprob"]) == (";", -0.25)
+    assert [top["token"] for top in first["top_logprobs"]] == [";", "<"]
+
     assert [m["id"] for m in _json(answers, "models")["data"]] == [MODEL]
     assert _json(answers, "tokenize_chat")["count"] == len(
         f"User: {CHAT[0]['content']}\n\nAssistant:"

@@ -87,7 +87,13 @@ BIG_MODEL = ("--max-model-len", "1000000")
 SERVERS: dict[str, tuple[str, ...]] = {
     "default_server": (),
     "long_server": BIG_MODEL,
-    "small_server": ("--max-model-len", "64", "--trust-request-chat-template"),
+    "small_server": (
+        "--max-model-len",
+        "64",
+        "--trust-request-chat-template",
+        "--max-logprobs",
+        "3",
+    ),
     "key_server": ("--api-key", "sekret"),
     "limited_server": (*BIG_MODEL, "--max-concurrent-requests", "2"),
     "draining_server": (*BIG_MODEL, "--shutdown-timeout-s", "2"),
@@ -157,7 +163,8 @@ long_server = _server_fixture(
     "long_server", "Streams can run for a minute (``--max-model-len 1000000``)."
 )
 small_server = _server_fixture(
-    "small_server", "``--max-model-len 64``; requests may bring their own chat template."
+    "small_server",
+    "``--max-model-len 64``; requests may bring their own chat template; at most 3 logprobs.",
 )
 key_server = _server_fixture("key_server", "``--api-key sekret``.")
 limited_server = _server_fixture("limited_server", "Two requests at a time, then 503.")
@@ -1547,3 +1554,34 @@ async def test_more_logprobs_than_the_engine_allows_is_a_400(default_server: Api
         assert response.status_code == 400, response.text
         assert "max allowed: 20" in response.json()["error"]["message"]
         await completion(client, prompt=PROMPT, max_tokens=2)  # and it serves on
+
+
+async def test_the_logprobs_limit_is_the_servers_and_words_its_refusals_as_vllm(
+    small_server: ApiServer,
+) -> None:
+    # --max-logprobs 3: the server refuses more itself (vLLM's frontend does; its
+    # engine core would compute them), naming the field; 3 is served.
+    asks = [
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 4}, "sample", "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 4}, "prompt", "prompt_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "logprobs": True, "top_logprobs": 4},
+            "sample",
+            "logprobs",
+        ),
+    ]
+    async with http(small_server) as client:
+        for path, fields, what, param in asks:
+            response = await client.post(path, json={"model": MODEL, "max_tokens": 2, **fields})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["message"] == (
+                f"Requested {what} logprobs of 4, which is greater than max allowed: 3 "
+                f"(parameter={param}, value=4)"
+            )
+            assert error["param"] == param
+        answer = await completion(client, prompt=PROMPT, max_tokens=2, logprobs=3)
+    tops = answer["choices"][0]["logprobs"]["top_logprobs"]
+    # The top 3, and the chosen token when it is not among them.
+    assert all(3 <= len(top) <= 4 for top in tops), tops

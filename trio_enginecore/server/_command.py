@@ -92,6 +92,14 @@ def add_api_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="let requests bring their own chat_template",
     )
     serving.add_argument(
+        "--max-logprobs",
+        type=int,
+        metavar="N",
+        help="the most logprobs a request may ask for, -1 for the vocabulary (default: 20, "
+        "vLLM's; with --vllm, the --max-logprobs among vLLM's flags if given there); the "
+        "reference engine takes it too",
+    )
+    serving.add_argument(
         "--shutdown-timeout-s",
         type=float,
         default=30.0,
@@ -178,6 +186,11 @@ def run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error("--max-concurrent-requests must be at least 1")
     if args.data_parallel_size < 1:
         parser.error("--data-parallel-size must be at least 1")
+    if args.max_logprobs is None:
+        given = _vllm_max_logprobs(args.vllm_arguments) if args.vllm else None
+        args.max_logprobs = DEFAULT_MAX_LOGPROBS if given is None else given
+    if args.max_logprobs < -1:
+        parser.error("--max-logprobs must be -1 (the vocabulary) or at least 0")
     # The signals are this program's from here to its exit. Until the run's signal
     # receiver opens, and after it closes (the engines stopped, the interpreter on its
     # way out), a signal is only noted: Python's defaults would end the process by
@@ -194,6 +207,25 @@ def run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         if isinstance(failure, OSError):
             return _fail(f"cannot listen on {args.host}:{args.port}: {failure}", EXIT_ADDRESS)
         raise
+
+
+DEFAULT_MAX_LOGPROBS: Final = 20
+"""vLLM's default ``--max-logprobs``."""
+
+
+def _vllm_max_logprobs(vllm_arguments: Sequence[str]) -> int | None:
+    """The ``--max-logprobs`` among vLLM's flags (vLLM's frontend checks it, and so
+    must ours), or None."""
+    value: str | None = None
+    for i, word in enumerate(vllm_arguments):
+        if word.replace("_", "-") == "--max-logprobs" and i + 1 < len(vllm_arguments):
+            value = vllm_arguments[i + 1]
+        elif word.replace("_", "-").startswith("--max-logprobs="):
+            value = word.split("=", 1)[1]
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None  # vLLM refuses it itself
 
 
 class _EarlySignals:
@@ -284,6 +316,7 @@ async def _start_and_serve(args: argparse.Namespace, stopping: _Stopping) -> Non
             changes["vocab_size"] = max(tokenizer.vocab_size, 257)
         if args.max_model_len is not None:
             changes["max_model_len"] = args.max_model_len
+        changes["max_logprobs"] = args.max_logprobs
         config = EngineConfig(**changes)
     listeners = await trio.open_tcp_listeners(args.port, host=args.host)
     opened = cast(
@@ -300,6 +333,7 @@ async def _start_and_serve(args: argparse.Namespace, stopping: _Stopping) -> Non
                 max_concurrent_requests=args.max_concurrent_requests,
                 chat_template=chat_template,
                 trust_request_chat_template=args.trust_request_chat_template,
+                max_logprobs=args.max_logprobs,
             ),
         )
         try:

@@ -96,6 +96,10 @@ class ServerSettings:
     """Whether a request may bring its own ``chat_template``."""
     response_role: str = "assistant"
     """The role of chat answers (with ``add_generation_prompt``)."""
+    max_logprobs: int = attrs.field(default=20, validator=attrs.validators.ge(-1))
+    """The most sample or prompt logprobs a request may ask for (vLLM's
+    ``--max-logprobs``, checked by vLLM's frontend, not its engine core); -1 for the
+    whole vocabulary."""
 
 
 class _Slots:
@@ -440,9 +444,29 @@ class OpenAIApp:
             len(token_ids),
         )
         params = body.sampling_params(max_tokens)
+        self._check_logprobs(params)
         if text is None and token_ids:
             text = tokenizer.decode(token_ids)
         return _Prepared(text, token_ids, params, request_id)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """Refuse more logprobs than ``max_logprobs``, as vLLM's frontend does (its
+        engine core would compute them)."""
+        limit = self.settings.max_logprobs
+        vocab = self.llm.tokenizer.vocab_size
+        if limit == -1:
+            limit = vocab
+        for asked, what, param in (
+            (params.logprobs, "sample logprobs", "logprobs"),
+            (params.prompt_logprobs, "prompt logprobs", "prompt_logprobs"),
+        ):
+            count = vocab if asked == -1 else asked
+            if count and count > limit:
+                raise ApiError.invalid(
+                    f"Requested {what} of {count}, which is greater than max allowed: {limit}",
+                    param,
+                    count,
+                )
 
     def _decode_one(self, token_id: int) -> str:
         return self.llm.tokenizer.decode([token_id])

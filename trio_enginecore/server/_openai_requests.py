@@ -175,6 +175,19 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
                 "truncate_prompt_tokens must be -1 or a non-negative integer",
                 param="truncate_prompt_tokens",
             )
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None:
+            # vLLM's order: a stream that asks for some, then a negative count.
+            if self.stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
+                raise ApiError.invalid(
+                    "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+                )
+            if prompt_logprobs < -1:
+                raise ApiError.invalid(
+                    "`prompt_logprobs` must be a positive value or -1.",
+                    "prompt_logprobs",
+                    prompt_logprobs,
+                )
         if self.structured_outputs is not None:
             kinds = [k for k in ("json", "regex", "choice") if self.structured_outputs.get(k)]
             if len(kinds) > 1:
@@ -321,15 +334,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
                 "suffix is not supported: the served model does not implement fill-in-the-middle",
                 param="suffix",
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ApiError("`logprobs` must be a positive value.", param="logprobs")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
-            raise ApiError(
-                "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs"
-            )
-        if self.stream and self.prompt_logprobs is not None:
+        if self.logprobs is not None and self.logprobs < -1:
             raise ApiError.invalid(
-                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+                "`logprobs` must be a positive value or -1.", "logprobs", self.logprobs
             )
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ApiError.invalid(
@@ -379,12 +386,13 @@ class ChatRequest(_SamplingFields, kw_only=True):
         self._check_common()
         if not isinstance(self.messages, list):
             raise ApiError("messages must be a list of messages", param="messages")
-        if self.top_logprobs is not None and self.top_logprobs < 0 and self.top_logprobs != -1:
-            raise ApiError("`top_logprobs` must be a positive value.", param="top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise ApiError.invalid(
+                "`top_logprobs` must be a positive value or -1.", "top_logprobs", self.top_logprobs
+            )
         if self.top_logprobs and not self.logprobs:
-            raise ApiError(
-                "when using `top_logprobs`, `logprobs` must be set to true.",
-                param="top_logprobs",
+            raise ApiError.invalid(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
             )
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(

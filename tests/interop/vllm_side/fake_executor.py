@@ -42,12 +42,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 from common import announce_version_from_environment
 from triton_check import answer_triton_check
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
 answer_triton_check()  # before any config is built or re-checked in this process
@@ -71,6 +72,14 @@ class _CounterWorker:
     prompts, cached ones with their progress, finished ids) and samples one token per
     request whose known tokens are all computed after this step; a partial prefill
     chunk samples nothing, as in vLLM's model runner.
+
+    Sample logprobs, when a request of the step asks for them, are the counter model's:
+    the token ``d`` ids after the last one (modulo the vocabulary) has logprob
+    ``-0.5 * d + 0.25`` for ``d`` from 1 (the sampled token, rank 1) on, exact in
+    float32. As vLLM's sampler sends them: a row per request of the step, the sampled
+    token first, then the top ``k`` by rank, ``k`` the most any request of the step
+    asked for (vLLM's logprobs processor keeps each request's own ``k``). Prompt
+    logprobs are not made.
     """
 
     def __init__(self, vocab_size: int, num_layers: int, head_size: int) -> None:
@@ -81,6 +90,7 @@ class _CounterWorker:
         self.computed: dict[str, int] = {}
         self.finished: set[str] = set()
         self.scheduled: set[str] = set()
+        self.num_logprobs: dict[str, int] = {}
         self.fault_armed = False
         self.step_delay_s = float(os.environ.get(STEP_DELAY_VARIABLE, "0") or 0)
         self.pending: ModelRunnerOutput | None = None
@@ -131,6 +141,7 @@ class _CounterWorker:
             self.finished.add(req_id)
             self.tokens.pop(req_id, None)
             self.computed.pop(req_id, None)
+            self.num_logprobs.pop(req_id, None)
         for new in out.scheduled_new_reqs:
             # Where set (always in 0.34), prefill_token_ids holds the prompt and, for a
             # request resumed after preemption, the tokens it generated before.
@@ -139,6 +150,9 @@ class _CounterWorker:
                 tokens = new.prompt_token_ids
             self.tokens[new.req_id] = list(tokens if tokens is not None else ())
             self.computed[new.req_id] = new.num_computed_tokens
+            params = getattr(new, "sampling_params", None)
+            if params is not None and params.logprobs is not None:
+                self.num_logprobs[new.req_id] = params.logprobs
         cached = out.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             self.computed[req_id] = computed
@@ -158,10 +172,29 @@ class _CounterWorker:
                 sampled.append([token])
             else:
                 sampled.append([])  # a chunk of a longer prompt: nothing to sample yet
-        extra = {}
+        extra: dict[str, Any] = {}
         if _HAS_REQ_ID_TO_INDEX:  # 0.33; gone in 0.34
             extra["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+        wanted = [self.num_logprobs[req_id] for req_id in req_ids if req_id in self.num_logprobs]
+        if wanted:
+            top_k = self.vocab_size if min(wanted) < 0 else max(wanted)
+            extra["logprobs"] = self._logprobs(req_ids, top_k)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **extra)
+
+    def _logprobs(self, req_ids: list[str], top_k: int) -> LogprobsLists:
+        """The counter model's sample logprobs of this step (see the class)."""
+        rows = len(req_ids)
+        distance = np.arange(1, top_k + 1)
+        ids = np.zeros((rows, top_k + 1), dtype=np.int64)
+        logprobs = np.zeros((rows, top_k + 1), dtype=np.float32)
+        for row, req_id in enumerate(req_ids):
+            token = self.tokens[req_id][-1]  # sampled this step (or a prompt's: no sample)
+            ids[row, 0] = token
+            ids[row, 1:] = (token + distance - 1) % self.vocab_size
+        logprobs[:, 0] = -0.25
+        logprobs[:, 1:] = -0.5 * distance + 0.25
+        ranks = np.ones(rows, dtype=np.int64)
+        return LogprobsLists(ids, logprobs, ranks)
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
         with self.lock:

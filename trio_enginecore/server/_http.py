@@ -16,11 +16,8 @@ first gives the body one more turn of the event loop to add what else it has rea
 long as such turns bring more or chunks are found waiting (a loop that lags, a body that
 yields several chunks at once); after two turns in a row that bring nothing, each chunk
 is written as soon as it comes (a client and a loop that keep up), until chunks are
-found waiting again. While the writer is idle (nothing pending, the last write done)
-the connection's task writes a chunk itself when the socket takes it whole, the rule
-while the client keeps up: a chunk then costs no turn of the writer. What the socket
-does not take goes to the writer. ``merge_writes=False`` writes each chunk from the
-connection's task instead, one write each (for measurements).
+found waiting again. ``merge_writes=False`` writes each chunk from the connection's task
+instead, one write each (for measurements).
 """
 
 from __future__ import annotations
@@ -113,8 +110,6 @@ class _Outbox:
         "chunks",
         "ended",
         "failed",
-        "framed",
-        "idle",
         "keep_alive",
         "size",
         "written",
@@ -123,12 +118,6 @@ class _Outbox:
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
         self.size = 0
-        # Bytes framed already (the rest of a chunk the body's task began to write),
-        # to write before the chunks.
-        self.framed = b""
-        # The writer waits for chunks, everything before written: the body's task may
-        # write a chunk itself.
-        self.idle = False
         self.ended = False  # the body is exhausted (or failed): no more chunks
         self.failed = False  # the body raised: end the response without its last chunk
         self.written = trio.Event()  # the writer is done (everything sent, or it gave up)
@@ -139,20 +128,12 @@ class _Outbox:
     def put(self, chunk: bytes) -> None:
         self.chunks.append(chunk)
         self.size += len(chunk)
-        self._wake()
-
-    def put_framed(self, data: bytes) -> None:
-        self.framed = data
-        self.size += len(data)
-        self._wake()
+        if self._chunks_lot:
+            self._chunks_lot.unpark()
 
     def end(self, *, failed: bool) -> None:
         self.ended = True
         self.failed = failed
-        self._wake()
-
-    def _wake(self) -> None:
-        self.idle = False
         if self._chunks_lot:
             self._chunks_lot.unpark()
 
@@ -160,7 +141,6 @@ class _Outbox:
         chunks = self.chunks
         self.chunks = []
         self.size = 0
-        self.framed = b""
         if self._space_lot:
             self._space_lot.unpark_all()
         return chunks
@@ -510,14 +490,19 @@ class HttpServer:
         against 18 µs for 300 bytes). Every caller's loop has checkpoints of its own
         (waiting for the next chunk, request or body part). The rest of a partial
         write goes through ``send_all``, which waits for the socket to drain."""
-        if connection.socket is not None:
-            rest = _write_now(connection.socket, data)
-            if rest is None:
+        sock = connection.socket
+        if sock is not None:
+            # -1 once the socket is closed (os.write then fails): never a reused number.
+            try:
+                sent = os.write(sock.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # reset, broken pipe, closed
                 return False
-            if not rest:
+            if sent == len(data):
                 self._writes += 1
                 return True
-            data = rest
+            data = data[sent:]
         connection.sending_since = trio.current_time()
         try:
             await connection.stream.send_all(data)
@@ -726,21 +711,10 @@ class HttpServer:
                 logger.exception("the response body of %s %s failed", request.method, request.path)
                 failed = True
                 break
-            if not chunk:
-                continue
-            if outbox.idle and connection.socket is not None:
-                # Written from here when the socket takes it: no turn of the writer.
-                rest = _write_now(connection.socket, connection.h11.send(h11.Data(data=chunk)))
-                if rest is None:
-                    await _cancel(scope)  # the client is gone
-                if rest:
-                    outbox.put_framed(rest)
-                else:
-                    self._writes += 1
-                continue
-            outbox.put(chunk)
-            if outbox.size >= high_water:
-                await outbox.wait_space()
+            if chunk:
+                outbox.put(chunk)
+                if outbox.size >= high_water:
+                    await outbox.wait_space()
         outbox.end(failed=failed)
         await outbox.written.wait()
         return outbox.keep_alive
@@ -768,7 +742,6 @@ class HttpServer:
                     await trio.lowlevel.checkpoint()
                     turns = 2 if len(outbox.chunks) > 1 else turns - 1
                 ended = outbox.ended
-                data += outbox.framed
                 chunks = outbox.take()
                 if chunks:
                     data += conn.send(
@@ -785,12 +758,9 @@ class HttpServer:
                     if not outbox.failed:
                         outbox.keep_alive = self._written(connection)
                     return
-                if not outbox.chunks and not outbox.framed and not outbox.ended:
-                    outbox.idle = True
+                if not outbox.chunks and not outbox.ended:
                     await outbox.wait_chunks()
-                    outbox.idle = False
         finally:
-            outbox.idle = False
             outbox.written.set()
 
     async def _linger(self, connection: _Connection) -> None:
@@ -809,18 +779,6 @@ class HttpServer:
                 if not data:
                     return
                 drained += len(data)
-
-
-def _write_now(sock: trio.socket.SocketType, data: bytes) -> bytes | None:
-    """Write what of ``data`` the socket takes at once; the rest (``b""`` when it took
-    all), or None if the connection is broken or closed."""
-    try:
-        sent = os.write(sock.fileno(), data)  # -1 once closed: never a reused number
-    except BlockingIOError:
-        return data
-    except OSError:  # reset, broken pipe, closed
-        return None
-    return data[sent:]
 
 
 def _check_chunk(chunk: object) -> None:

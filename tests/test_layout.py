@@ -278,6 +278,7 @@ EXPORTS = {
         "HttpServerStatistics",
         "OpenAIApp",
         "Request",
+        "RequestLimits",
         "Response",
         "ServerSettings",
         "VllmMetrics",

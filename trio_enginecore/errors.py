@@ -171,16 +171,30 @@ class InvalidInputError(EngineCoreError, ValueError, TypeError):
     requests are not affected. It is both a ``ValueError`` and a ``TypeError`` (wrong
     values and wrong types alike), so ``except ValueError`` catches it.
 
+    Where vLLM's frontend refuses the same request with a sentence of its own (a token
+    id outside the vocabulary in ``logit_bias``, say), the message is vLLM's: the
+    sentence, then ``(parameter=..., value=...)``, as vLLM's ``VLLMValidationError``
+    words it; otherwise ``"<param>: <reason>"``.
+
     Attributes:
         param: the field at fault, as an OpenAI-style server names it (``"prompt"``,
             ``"n"``, ``"stop"``, ``"min_tokens"``, ...).
         reason: what is wrong with it.
+        value: the value refused, where the message is vLLM's (else ``None``).
     """
 
-    def __init__(self, param: str, reason: str) -> None:
-        super().__init__(f"{param}: {reason}")
+    def __init__(
+        self, param: str, reason: str, *, value: object = None, vllm_wording: bool = False
+    ) -> None:
+        if vllm_wording:
+            extras = f"parameter={param}" + ("" if value is None else f", value={value}")
+            message = f"{reason} ({extras})"
+        else:
+            message = f"{param}: {reason}"
+        super().__init__(message)
         self.param = param
         self.reason = reason
+        self.value = value
 
 
 class ModelDirectoryError(EngineCoreError, ValueError):

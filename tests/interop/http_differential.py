@@ -316,6 +316,48 @@ CASES: list[Case] = [
     _completion("bad_missing_prompt", max_tokens=2),
     _chat("bad_missing_messages", max_completion_tokens=2),
     _chat("bad_n_0_chat_stream", messages=CHAT, n=0, stream=True),
+    # What vLLM's frontend refuses before its engine sees it: ids its sampler would
+    # index the logits with, and its limits on one request.
+    _completion(
+        "bad_logit_bias_out_of_vocab",
+        prompt=PROMPT,
+        max_tokens=2,
+        logit_bias={"3": 1.0, "257": 2.0, "-1": 0.5},
+    ),
+    _completion("bad_logit_bias_key", prompt=PROMPT, max_tokens=2, logit_bias={"a": 1.0}),
+    _chat(
+        "bad_stop_token_ids_out_of_vocab",
+        messages=CHAT,
+        max_completion_tokens=2,
+        stop_token_ids=[300],
+    ),
+    _completion(
+        "bad_allowed_token_ids_out_of_vocab",
+        prompt=PROMPT,
+        max_tokens=2,
+        allowed_token_ids=[5, 999],
+    ),
+    _completion("bad_allowed_token_ids_empty", prompt=PROMPT, max_tokens=2, allowed_token_ids=[]),
+    _completion("bad_words_of_no_token", prompt=PROMPT, max_tokens=2, bad_words=["  "]),
+    _completion("bad_n_too_many", prompt=PROMPT, max_tokens=2, n=16385),
+    _completion("bad_too_many_prompts", prompt=["Hi"] * 1025, max_tokens=1),
+    _chat("bad_too_many_stop_strings", messages=CHAT, stop=["a", "b", "c", "d", "e"]),
+    Case(
+        "bad_content_type",
+        "POST",
+        "/v1/completions",
+        raw=json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode(),
+        headers={"content-type": "text/plain"},
+    ),
+    Case(
+        "bad_no_content_type",
+        "POST",
+        "/v1/chat/completions",
+        raw=json.dumps({"model": MODEL, "messages": CHAT}).encode(),
+    ),
+    # Accepted as vLLM accepts them (the counter model bans and biases nothing).
+    _completion("completions_logit_bias", prompt=PROMPT, max_tokens=3, logit_bias={"120": 500}),
+    _completion("completions_bad_words", prompt=PROMPT, max_tokens=3, bad_words=["xyz", " q"]),
     Case("bad_method", "GET", "/v1/completions"),
     Case("bad_path", "POST", "/v1/nothing", {"model": MODEL}),
 ]

@@ -220,8 +220,18 @@ def test_vllm_openai_server_answers(vllm_answers: list[dict[str, Any]], model_di
 
 # vLLM answers these from pydantic's validation: its wording and its type "Bad Request".
 _PYDANTIC_ERRORS = frozenset(
-    {"bad_json", "bad_json_chat", "bad_temperature_type", "bad_missing_messages"}
+    {
+        "bad_json",
+        "bad_json_chat",
+        "bad_temperature_type",
+        "bad_missing_messages",
+        "bad_too_many_stop_strings",
+        "bad_content_type",
+        "bad_no_content_type",
+    }
 )
+# ... of which these with vLLM's message word for word.
+_VALIDATION_MESSAGES_EQUAL = frozenset({"bad_content_type", "bad_no_content_type"})
 
 
 def _texts(body: str) -> str:
@@ -252,6 +262,9 @@ def test_our_server_answers_every_case_as_vllms_does(
             error = json.loads(got["body"])["error"]
             assert set(error) == {"message", "type", "param", "code"}, (case.name, error)
             assert error["code"] == expected["status"], (case.name, error)
+            if case.name in _VALIDATION_MESSAGES_EQUAL:
+                theirs = json.loads(expected["body"])["error"]["message"]
+                assert error["message"] == theirs, (case.name, error, theirs)
             continue
         if case.vllm_leaks_prompt_text:
             assert _texts(expected["body"]).endswith(_texts(got["body"])), case.name

@@ -108,9 +108,9 @@ class ApiServer:
         return self.process.returncode
 
 
-def start(log_path: Path, *options: str) -> ApiServer:
-    """Start ``trio-enginecore api-server --port 0 OPTIONS``; :meth:`ApiServer.wait_ready`
-    waits until it serves.
+def start(log_path: Path, *options: str, env: dict[str, str] | None = None) -> ApiServer:
+    """Start ``trio-enginecore api-server --port 0 OPTIONS`` (with ``env`` added to the
+    environment); :meth:`ApiServer.wait_ready` waits until it serves.
 
     The server dies with the test process (``PR_SET_PDEATHSIG``) and is in a session of
     its own (a terminal's Ctrl-C is not its signal)."""
@@ -123,6 +123,7 @@ def start(log_path: Path, *options: str) -> ApiServer:
             stdout=subprocess.DEVNULL,
             stderr=log,
             start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
             preexec_fn=lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0),
         )
     return ApiServer(process, "", log_path, options)

@@ -19,6 +19,7 @@ from trio_enginecore.server._openai_requests import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    RequestLimits,
     max_tokens_for,
     parse_chat,
     parse_completion,
@@ -338,3 +339,60 @@ def test_any_body_is_a_request_or_an_api_error(fields: dict[str, Any], max_token
         if error is not None:
             assert 400 <= error.status < 500
             assert json.loads(error.body())["error"]["code"] == error.status
+
+
+def test_logit_bias_keys_become_token_ids_and_biases_stay_within_100() -> None:
+    params = completion(logit_bias={"5": 250, " 7": -1e9, "9": 0.5}).sampling_params(16)
+    assert params.logit_bias == {5: 100.0, 7: -100.0, 9: 0.5}
+    error = refused(parse_completion, {"prompt": "x", "logit_bias": {"5": 1, "a": 2, "": 3}})
+    assert (error.status, error.param) == (400, "logit_bias")
+    assert str(error) == (
+        "logit_bias contains key(s) that cannot be converted to integer token IDs: "
+        "['a', ''] (parameter=logit_bias, value=['a', ''])"
+    )
+
+
+# ---------------------------------------------------------------- vLLM's limits
+
+
+def test_n_prompts_and_stop_strings_have_vllms_limits() -> None:
+    error = refused(parse_completion, {"prompt": "x", "n": 16385})
+    assert (error.status, error.param) == (400, None)
+    assert str(error) == (
+        "n must be at most 16384, got 16385. To increase this limit, set the "
+        "VLLM_MAX_N_SEQUENCES environment variable."
+    )
+    assert completion(n=16384).sampling_params(16).n == 16384
+    error = refused(parse_completion, {"prompt": ["x"] * 1025})
+    assert error.param == "prompt"
+    assert str(error).startswith("prompt list length 1025 exceeds the maximum allowed count")
+    # A list of token ids is one prompt, however long.
+    assert completion(prompt=[65] * 2000).prompts() == [[65] * 2000]
+    assert len(completion(prompt=["x"] * 1024).prompts()) == 1024
+    for body in ({"prompt": "x", "stop": list("abcde")}, {"messages": CHAT, "stop": list("abcde")}):
+        parse = parse_completion if "prompt" in body else parse_chat
+        error = refused(parse, body)
+        assert (error.status, error.param) == (400, "stop")
+        assert "at most 4 stop strings, got 5" in str(error)
+    assert completion(stop=list("abcd")).sampling_params(16).stop == list("abcd")
+
+
+def test_the_limits_follow_vllms_variables() -> None:
+    limits = RequestLimits.from_environment(
+        {
+            "VLLM_MAX_N_SEQUENCES": "2",
+            "VLLM_MAX_COMPLETION_PROMPTS": "3",
+            "VLLM_MAX_STOP_STRINGS": "9",
+        }
+    )
+    assert limits == RequestLimits(max_n_sequences=2, max_completion_prompts=3, max_stop_strings=9)
+    assert RequestLimits.from_environment({}) == RequestLimits()
+    body = json.dumps({"prompt": ["a", "b", "c", "d"], "n": 2, "stop": list("abcdefg")})
+    with pytest.raises(ApiError, match=r"prompt list length 4 exceeds .* count of 3"):
+        parse_completion(body.encode(), limits)
+    request = parse_completion(json.dumps({"prompt": "x", "n": 3}).encode(), limits)
+    with pytest.raises(ApiError, match="n must be at most 2, got 3"):
+        request.sampling_params(16, limits)
+    for wrong in ("many", "0", "-3"):
+        with pytest.raises(ValueError, match="VLLM_MAX_STOP_STRINGS must be"):
+            RequestLimits.from_environment({"VLLM_MAX_STOP_STRINGS": wrong})

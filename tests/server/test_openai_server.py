@@ -685,6 +685,31 @@ async def test_tokenize_and_detokenize_round_trip(default_server: ApiServer) -> 
         assert_openai_error(beyond.json(), 400, param="tokens")
 
 
+async def test_long_prompts_and_chats_tokenize_as_short_ones(long_server: ApiServer) -> None:
+    # Past 32 KiB, texts are encoded (and chats rendered) in a worker thread, the GIL
+    # released, so that the other streams go on meanwhile: same ids as in the task.
+    from trio_enginecore.text import builtin_tokenizer
+
+    tokenizer = builtin_tokenizer()
+    text = "Naïve café ☕, said the cat. " * 2000
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]
+    async with http(long_server) as client:
+        tokenized = await client.post("/tokenize", json={"model": MODEL, "prompt": text})
+        assert tokenized.json()["tokens"] == tokenizer.encode(text)
+        chat = await client.post("/tokenize", json={"model": MODEL, "messages": messages})
+        short_chat = await client.post(
+            "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert chat.json()["count"] > len(tokenizer.encode(text)) > 32 * 1024
+        assert short_chat.json()["count"] > 0
+        answer = await completion(client, prompt=text, max_tokens=2, ignore_eos=True)
+        assert answer["usage"]["prompt_tokens"] == len(tokenizer.encode(text))
+        answer = await client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}
+        )
+        assert answer.json()["usage"]["prompt_tokens"] == chat.json()["count"]
+
+
 VLLM_FAMILIES = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
@@ -833,6 +858,29 @@ BAD_REQUESTS = [
     Bad("missing_messages", _json(max_tokens=3), 400, "messages", path=CHATS),
     Bad("token_id_out_of_vocabulary", _json(prompt=[72, 105, 257]), 400, "prompt"),
     Bad("negative_token_id", _json(prompt=[72, -1]), 400, "prompt"),
+    # Ids the engine's sampler would index its logits with: one past the vocabulary
+    # would fail the engine's step, for every request on it.
+    Bad(
+        "logit_bias_out_of_vocabulary", _json(prompt="x", logit_bias={"257": 1}), 400, "logit_bias"
+    ),
+    Bad("logit_bias_not_a_token_id", _json(prompt="x", logit_bias={"a": 1}), 400, "logit_bias"),
+    Bad(
+        "stop_token_id_out_of_vocabulary",
+        _json(prompt="x", stop_token_ids=[999]),
+        400,
+        "stop_token_ids",
+    ),
+    Bad(
+        "chat_allowed_token_ids_out_of_vocabulary",
+        _json(messages=CHAT, allowed_token_ids=[1, 10**6]),
+        400,
+        "allowed_token_ids",
+        path=CHATS,
+    ),
+    Bad(
+        "allowed_token_ids_empty", _json(prompt="x", allowed_token_ids=[]), 400, "allowed_token_ids"
+    ),
+    Bad("bad_word_of_no_token", _json(prompt="x", bad_words=[" "]), 400, "bad_words"),
     Bad(
         "untrusted_chat_template",
         _json(messages=CHAT, chat_template="{{ messages }}"),
@@ -872,6 +920,33 @@ async def test_a_bad_request_gets_an_openai_error_and_the_server_serves_on(
         await completion(client, prompt=PROMPT, max_tokens=2)
     async with http(default_server) as client:
         await completion(client, prompt=PROMPT, max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "application/jsonx"]
+)
+@pytest.mark.parametrize("path", [COMPLETIONS, CHATS, "/tokenize", "/detokenize"])
+async def test_a_post_not_declared_json_is_refused_as_vllm_refuses_it(
+    default_server: ApiServer, path: str, content_type: str | None
+) -> None:
+    # A web page can make a browser POST a form or text/plain to any address without
+    # asking first, never application/json: this keeps pages away from the API.
+    fields: dict[str, Any] = {
+        "/v1/chat/completions": {"messages": CHAT},
+        "/detokenize": {"tokens": [72]},
+    }
+    body = _json(model=MODEL, **fields.get(path, {"prompt": "x", "max_tokens": 2}))
+    headers = {} if content_type is None else {"content-type": content_type}
+    async with http(default_server) as client:
+        response = await client.post(path, content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"] == (
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+        )
+        assert_openai_error(response.json(), 400, param=None)
+        for declared in ("application/json", "Application/JSON; charset=utf-8"):
+            response = await client.post(path, content=body, headers={"content-type": declared})
+            assert response.status_code == 200, response.text
 
 
 async def test_the_openai_client_raises_its_own_errors_for_bad_requests(
@@ -1431,6 +1506,25 @@ async def test_engines_that_cannot_start_exit_3_saying_why(tmp_path: Path) -> No
     assert "exited with code 1" in said, said
     assert "ValueError: no model here" in said, said
     assert "ExceptionGroup" not in log, server.tail()
+
+
+async def test_vllms_variables_set_the_limits_of_a_request(tmp_path: Path) -> None:
+    wrong = start(tmp_path / "wrong.log", env={"VLLM_MAX_N_SEQUENCES": "many"})
+    assert await _wait_exit(wrong, trio.current_time(), 30) == 2
+    assert "VLLM_MAX_N_SEQUENCES must be an integer, not 'many'" in wrong.log(), wrong.tail()
+    server = start(tmp_path / "server.log", env={"VLLM_MAX_N_SEQUENCES": "2"})
+    try:
+        await trio.to_thread.run_sync(server.wait_ready)
+        async with http(server) as client:
+            answer = await completion(client, prompt=PROMPT, max_tokens=2, n=2)
+            assert len(answer["choices"]) == 2
+            response = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 3}
+            )
+            assert response.status_code == 400
+            assert response.json()["error"]["message"].startswith("n must be at most 2, got 3.")
+    finally:
+        assert server.stop() == 0, server.tail()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

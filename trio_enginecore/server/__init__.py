@@ -31,7 +31,7 @@ from ._http_messages import (
 )
 from ._metrics import VllmMetrics as VllmMetrics
 from ._openai_app import OpenAIApp as OpenAIApp, ServerSettings as ServerSettings
-from ._openai_requests import ApiError as ApiError
+from ._openai_requests import ApiError as ApiError, RequestLimits as RequestLimits
 
 __all__ = [
     "ApiError",
@@ -47,6 +47,7 @@ __all__ = [
     "HttpServerStatistics",
     "OpenAIApp",
     "Request",
+    "RequestLimits",
     "Response",
     "ServerSettings",
     "VllmMetrics",

@@ -191,6 +191,13 @@ def run_api_server(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         args.max_logprobs = DEFAULT_MAX_LOGPROBS if given is None else given
     if args.max_logprobs < -1:
         parser.error("--max-logprobs must be -1 (the vocabulary) or at least 0")
+    from ._openai_requests import RequestLimits
+
+    try:
+        # vLLM's variables, read as `vllm serve` reads them (n, prompts, stop strings).
+        args.limits = RequestLimits.from_environment(os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
     # The signals are this program's from here to its exit. Until the run's signal
     # receiver opens, and after it closes (the engines stopped, the interpreter on its
     # way out), a signal is only noted: Python's defaults would end the process by
@@ -334,6 +341,7 @@ async def _start_and_serve(args: argparse.Namespace, stopping: _Stopping) -> Non
                 chat_template=chat_template,
                 trust_request_chat_template=args.trust_request_chat_template,
                 max_logprobs=args.max_logprobs,
+                limits=args.limits,
             ),
         )
         try:

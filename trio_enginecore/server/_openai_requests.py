@@ -17,9 +17,11 @@ vLLM's ``to_sampling_params`` does, with ``max_tokens`` from :func:`max_tokens_f
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any, Final, TypeVar, cast, final
 
+import attrs
 import msgspec
 
 from ..errors import InvalidInputError
@@ -30,6 +32,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
+    "RequestLimits",
     "StreamOptions",
     "TokenizeRequest",
     "max_tokens_for",
@@ -43,6 +46,55 @@ _T = TypeVar("_T")
 
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
+
+
+_LIMIT_VARIABLES: Final = {
+    "max_n_sequences": "VLLM_MAX_N_SEQUENCES",
+    "max_completion_prompts": "VLLM_MAX_COMPLETION_PROMPTS",
+    "max_stop_strings": "VLLM_MAX_STOP_STRINGS",
+}
+
+
+@attrs.frozen(kw_only=True)
+class RequestLimits:
+    """How much one request may ask for: vLLM's limits, with its defaults.
+
+    vLLM reads them from its environment variables (``VLLM_MAX_N_SEQUENCES``, ...);
+    :meth:`from_environment` reads the same ones, so a deployment that raised them for
+    ``vllm serve`` gets the same limits here. Each bounds what a single request can
+    make the server and its engines hold.
+    """
+
+    max_n_sequences: int = attrs.field(default=16384, validator=attrs.validators.ge(1))
+    """The largest ``n`` (``VLLM_MAX_N_SEQUENCES``)."""
+    max_completion_prompts: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    """The most prompts of one ``/v1/completions`` request
+    (``VLLM_MAX_COMPLETION_PROMPTS``)."""
+    max_stop_strings: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    """The most stop strings of one request, OpenAI's limit (``VLLM_MAX_STOP_STRINGS``)."""
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> RequestLimits:
+        """The limits vLLM's variables in ``environ`` set (the defaults where unset).
+
+        Raises:
+            ValueError: a variable that is not a positive integer (named).
+        """
+        values: dict[str, int] = {}
+        for field, variable in _LIMIT_VARIABLES.items():
+            text = environ.get(variable)
+            if text is None:
+                continue
+            try:
+                values[field] = int(text)
+            except ValueError:
+                raise ValueError(f"{variable} must be an integer, not {text!r}") from None
+            if values[field] < 1:
+                raise ValueError(f"{variable} must be at least 1, not {text!r}")
+        return cls(**values)
+
+
+DEFAULT_LIMITS: Final = RequestLimits()
 
 
 @final
@@ -155,7 +207,13 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     return_token_ids: bool | None = None
     vllm_xargs: dict[str, Any] | None = None
 
-    def _check_common(self) -> None:
+    def _check_common(self, limits: RequestLimits) -> None:
+        if isinstance(self.stop, list) and len(self.stop) > limits.max_stop_strings:
+            raise ApiError(
+                f"stop: at most {limits.max_stop_strings} stop strings, got {len(self.stop)} "
+                "(the limit is VLLM_MAX_STOP_STRINGS)",
+                param="stop",
+            )
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ApiError("seed must be a 64-bit integer", param="seed")
         if not _INT64_MIN <= self.priority <= _INT64_MAX:
@@ -231,8 +289,18 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
             raise ApiError(str(exc), param="structured_outputs") from None
 
     def _sampling_params(
-        self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int,
+        limits: RequestLimits,
+        *,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
     ) -> SamplingParams:
+        if self.n is not None and self.n > limits.max_n_sequences:
+            raise ApiError(
+                f"n must be at most {limits.max_n_sequences}, got {self.n}. To increase "
+                "this limit, set the VLLM_MAX_N_SEQUENCES environment variable."
+            )
         try:
             return SamplingParams(
                 n=1 if self.n is None else self.n,
@@ -258,9 +326,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
                     RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
                 ),
                 structured_outputs=self._structured(),
-                logit_bias=(
-                    {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
-                ),
+                logit_bias=_logit_bias(self.logit_bias),
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words or None,
                 extra_args=self.vllm_xargs or None,
@@ -277,6 +343,31 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
             if field in _NAMED_BY_VLLM:
                 raise ApiError.invalid(reason, field, getattr(self, field, None)) from None
             raise ApiError(reason) from None
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """The biases by token id, each within [-100, 100], as vLLM's
+    ``SamplingParams.from_optional`` makes them (the ids are checked against the
+    vocabulary by the text layer)."""
+    if not given:
+        return None
+    biases: dict[int, float] = {}
+    unreadable: list[str] = []
+    for key, bias in given.items():
+        try:
+            token = int(key)
+        except ValueError:
+            unreadable.append(key)
+            continue
+        biases[token] = min(100.0, max(-100.0, bias))
+    if unreadable:
+        raise ApiError.invalid(
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: "
+            f"{unreadable!r}",
+            "logit_bias",
+            unreadable,
+        )
+    return biases
 
 
 # The SamplingParams checks whose error vLLM 0.34 gives a ``parameter``
@@ -326,9 +417,22 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             param="prompt",
         )
 
-    def check(self) -> None:
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         """vLLM's request-level checks (those of its model validators)."""
-        self._check_common()
+        given: object = self.prompt
+        prompt = cast("list[object]", given) if isinstance(given, list) else None
+        if (
+            prompt is not None
+            and len(prompt) > limits.max_completion_prompts
+            and not all(_is_token(t) for t in prompt)
+        ):
+            raise ApiError.invalid(
+                f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
+                f"{limits.max_completion_prompts}. To increase this limit, set the "
+                "VLLM_MAX_COMPLETION_PROMPTS environment variable.",
+                "prompt",
+            )
+        self._check_common(limits)
         if self.suffix:
             raise ApiError(
                 "suffix is not supported: the served model does not implement fill-in-the-middle",
@@ -345,7 +449,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
                 self.max_tokens,
             )
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, limits: RequestLimits = DEFAULT_LIMITS
+    ) -> SamplingParams:
         """The engine's parameters, as vLLM's ``CompletionRequest.to_sampling_params``.
 
         Raises:
@@ -357,6 +463,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         echo_only = bool(self.echo) and self.max_tokens == 0
         return self._sampling_params(
             1 if echo_only else max_tokens,
+            limits,
             logprobs=self.logprobs,
             prompt_logprobs=prompt_logprobs,
         )
@@ -381,9 +488,9 @@ class ChatRequest(_SamplingFields, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check(self) -> None:
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         """vLLM's request-level checks (those of its model validators)."""
-        self._check_common()
+        self._check_common(limits)
         if not isinstance(self.messages, list):
             raise ApiError("messages must be a list of messages", param="messages")
         if self.top_logprobs is not None and self.top_logprobs < -1:
@@ -419,7 +526,9 @@ class ChatRequest(_SamplingFields, kw_only=True):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, limits: RequestLimits = DEFAULT_LIMITS
+    ) -> SamplingParams:
         """The engine's parameters, as vLLM's ``ChatCompletionRequest.to_sampling_params``.
 
         Raises:
@@ -429,7 +538,9 @@ class ChatRequest(_SamplingFields, kw_only=True):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = logprobs
-        return self._sampling_params(max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return self._sampling_params(
+            max_tokens, limits, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
 
 
 @final
@@ -517,18 +628,18 @@ def _convert(body: bytes, kind: type[_T]) -> _T:
         raise ApiError(_reason(exc), param=_param_of(exc)) from None
 
 
-def parse_completion(body: bytes) -> CompletionRequest:
+def parse_completion(body: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     """A checked ``/v1/completions`` request.
 
     Raises:
         ApiError: malformed JSON, a field of the wrong type, a request vLLM refuses.
     """
     request = _convert(body, CompletionRequest)
-    request.check()
+    request.check(limits)
     return request
 
 
-def parse_chat(body: bytes) -> ChatRequest:
+def parse_chat(body: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     """A checked ``/v1/chat/completions`` request.
 
     Raises:
@@ -541,7 +652,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         request = msgspec.convert(fields, ChatRequest)
     except msgspec.ValidationError as exc:
         raise ApiError(_reason(exc), param=_param_of(exc)) from None
-    request.check()
+    request.check(limits)
     return request
 
 

@@ -195,7 +195,7 @@ class IncrementalDetokenizer:
             from tokenizers.decoders import DecodeStream
 
             self._decoder_stream = DecodeStream(
-                ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens
+                ids=_primer(tokenizer, prompt_token_ids), skip_special_tokens=skip_special_tokens
             )
             if not skip_special_tokens and not spaces_between_special_tokens:
                 self._added_tokens = tokenizer.added_tokens or None
@@ -409,3 +409,18 @@ class IncrementalDetokenizer:
             self._emitted = end
             return self.text[start:end]
         return ""
+
+
+def _primer(tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> list[int]:
+    """The end of the prompt the decoder stream starts from, as vLLM's detokenizer
+    primes its own: the shortest suffix of 4 to 23 tokens that decodes to whole
+    characters, else the whole prompt. The text a token adds depends only on the tokens
+    just before it; priming with the whole prompt decoded all of it once (0.3 s for a
+    million tokens, the event loop held), for the same pieces."""
+    count = len(prompt_token_ids)
+    if count > 4:
+        for length in range(4, min(count + 1, 24)):
+            suffix = list(prompt_token_ids[-length:])
+            if _REPLACEMENT not in tokenizer.decode(suffix):
+                return suffix
+    return list(prompt_token_ids)

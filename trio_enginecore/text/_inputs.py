@@ -208,6 +208,8 @@ def prepare_request(
     given_id = cast(object, request_id)
     if given_id is not None and (not isinstance(given_id, str) or not given_id):
         raise InvalidInputError("request_id", "must be a non-empty string")
+    if tokenizer is not None:
+        _check_token_ids(params, tokenizer.model_vocab_size)
     text, prompt_ids = _prompt_parts(prompt, tokenizer)
     if not prompt_ids:
         raise InvalidInputError("prompt", "the prompt cannot be empty")
@@ -247,6 +249,10 @@ def prepare_request(
             )
     if tokenizer is not None:
         _apply_eos(params, tokenizer)
+        if params.bad_words:
+            params._bad_words_token_ids = bad_words_token_ids(params.bad_words, tokenizer)  # pyright: ignore[reportPrivateUsage]
+    elif params.bad_words and params.bad_words_token_ids is None:
+        raise InvalidInputError("bad_words", "bad words need a tokenizer to become token ids")
     external = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
     arrival = time.time() if arrival_time is None else arrival_time
     state = TextRequestState(external, text, prompt_ids, params, tokenizer)
@@ -271,6 +277,86 @@ def prepare_request(
         )
     ]
     return state, requests
+
+
+MAX_BAD_WORDS: Final = 128
+"""The most token sequences a request's ``bad_words`` may become (vLLM's
+``VLLM_MAX_NUM_BAD_WORDS`` default): the engine keeps that many per request."""
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    # vLLM's frontend checks these before anything reaches its engine, whose sampler
+    # indexes the logits with them: an id past the vocabulary would fail the engine's
+    # step (every request on it), not this request. Same order, same words.
+    if params.logit_bias:
+        outside = [t for t in params.logit_bias if t < 0 or t >= vocab_size]
+        if outside:
+            raise _vllm_refusal(
+                f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab_size}",
+                "logit_bias",
+                outside,
+            )
+    if params.stop_token_ids:
+        outside = [t for t in params.stop_token_ids if t < 0 or t >= vocab_size]
+        if outside:
+            raise _vllm_refusal(
+                f"token_id(s) {outside} in stop_token_ids contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab_size}",
+                "stop_token_ids",
+                outside,
+            )
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        if not allowed:
+            raise _vllm_refusal("allowed_token_ids is not None and empty!", "allowed_token_ids", [])
+        outside = [t for t in allowed if t < 0 or t >= vocab_size]
+        if outside:
+            raise _vllm_refusal(
+                "allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids", outside
+            )
+
+
+def _vllm_refusal(message: str, param: str, value: object) -> InvalidInputError:
+    return InvalidInputError(param, message, value=value, vllm_wording=True)
+
+
+def bad_words_token_ids(bad_words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """The token sequences the engine must not produce for ``bad_words``, as vLLM's
+    frontend makes them (``SamplingParams.update_from_tokenizer``): each word with its
+    leading spaces stripped, then again after one space where that gives a different
+    first token and as many tokens (a word's form inside a sentence).
+
+    Raises:
+        InvalidInputError: a word gives no token, or they give more than
+            :data:`MAX_BAD_WORDS` sequences (vLLM's words).
+    """
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise _vllm_refusal(
+                "bad_words entries must tokenize to at least one token.",
+                "bad_words",
+                list(bad_words),
+            )
+        sequences.append(bare)
+        _check_bad_word_count(sequences, bad_words)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+            _check_bad_word_count(sequences, bad_words)
+    return sequences
+
+
+def _check_bad_word_count(sequences: list[list[int]], bad_words: Sequence[str]) -> None:
+    if len(sequences) > MAX_BAD_WORDS:
+        raise _vllm_refusal(
+            f"Too many bad words after tokenization: {len(sequences)}. "
+            f"The max number is {MAX_BAD_WORDS}.",
+            "bad_words",
+            list(bad_words),
+        )
 
 
 def _apply_eos(params: SamplingParams, tokenizer: Tokenizer) -> None:

@@ -13,6 +13,8 @@ What is read, and why each file:
   layout transformers 5 writes; as in transformers 5, when any of these files exists
   they replace ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of
   named templates). Optional.
+* ``config.json``: only ``vocab_size`` (its ``text_config``'s for a multimodal model),
+  the bound vLLM's frontend puts on the token ids of sampling parameters. Optional.
 
 Nothing is ever downloaded: the argument is a path. A file that is missing (where it
 is required) or malformed raises :class:`~trio_enginecore.errors.ModelDirectoryError`
@@ -224,6 +226,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
             eos_ids.append(item)
     return Tokenizer(
         backend,
+        model_vocab_size=_model_vocab_size(root / "config.json"),
         directory=root,
         special_tokens=special,
         generation_eos_token_ids=eos_ids,
@@ -236,6 +239,20 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         ),
         clean_up_tokenization_spaces=clean_up,
     )
+
+
+def _model_vocab_size(path: Path) -> int | None:
+    # transformers' text config: a multimodal model's ``text_config``, else the file.
+    if not path.is_file():
+        return None
+    config = _read_json(path)
+    text_config = as_json_object(config.get("text_config"))
+    value = (text_config if text_config is not None else config).get("vocab_size")
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise ModelDirectoryError(path, "'vocab_size' must be a positive integer")
+    return value
 
 
 @cache

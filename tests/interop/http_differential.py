@@ -355,7 +355,16 @@ CASES: list[Case] = [
         "/v1/chat/completions",
         raw=json.dumps({"model": MODEL, "messages": CHAT}).encode(),
     ),
+    Case(
+        "bad_data_parallel_rank",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+        headers={"x-data-parallel-rank": "1"},
+    ),
+    _chat("bad_cache_salt", messages=CHAT, max_completion_tokens=2, cache_salt="tenant/a"),
     # Accepted as vLLM accepts them (the counter model bans and biases nothing).
+    _completion("completions_cache_salt", prompt=PROMPT, max_tokens=3, cache_salt="tenant-a"),
     _completion("completions_logit_bias", prompt=PROMPT, max_tokens=3, logit_bias={"120": 500}),
     _completion("completions_bad_words", prompt=PROMPT, max_tokens=3, bad_words=["xyz", " q"]),
     Case("bad_method", "GET", "/v1/completions"),

@@ -39,7 +39,7 @@ import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -817,9 +817,17 @@ class Bad:
     param: str | None
     path: str = "/v1/completions"
     method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 COMPLETIONS, CHATS = "/v1/completions", "/v1/chat/completions"
+
+
+def RANK(rank: str) -> dict[str, str]:  # noqa: N802 - reads as a header in the table
+    return {"x-data-parallel-rank": rank}
+
+
+JSON_HEADERS = {"content-type": "application/json"}
 
 BAD_REQUESTS = [
     Bad("malformed_json", b'{"prompt": "x",', 400, None),
@@ -889,6 +897,9 @@ BAD_REQUESTS = [
         path=CHATS,
     ),
     Bad("wrong_method", b"", 405, None, method="GET"),
+    # One engine: rank 0 only (a stream is refused before it starts).
+    Bad("rank_past_the_engines", _json(prompt="x"), 400, None, headers=RANK("1")),
+    Bad("negative_rank", _json(prompt="x", stream=True), 400, None, headers=RANK("-1")),
     Bad("unknown_path", _json(prompt="x"), 404, None, path="/v1/nope"),
 ]
 
@@ -905,7 +916,7 @@ async def test_a_bad_request_gets_an_openai_error_and_the_server_serves_on(
             bad.method,
             bad.path,
             content=bad.body,
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **bad.headers},
         )
         assert response.status_code == bad.status, response.text
         assert response.headers["content-type"] == "application/json"
@@ -919,6 +930,36 @@ async def test_a_bad_request_gets_an_openai_error_and_the_server_serves_on(
         # On the same connection, and on a new one.
         await completion(client, prompt=PROMPT, max_tokens=2)
     async with http(default_server) as client:
+        await completion(client, prompt=PROMPT, max_tokens=2)
+
+
+@pytest.mark.parametrize("depth", [900, 5000])
+@pytest.mark.parametrize("where", ["prompt", "content", "extra_field", "tool_arguments"])
+async def test_a_body_nested_too_deep_for_python_is_a_400(
+    default_server: ApiServer, where: str, depth: int
+) -> None:
+    # 5000 deep: past what the JSON decoder walks. 900: decoded, then too deep for the
+    # chat's preparation or the template. Either way the client's mistake, never a 500
+    # (the fixture also holds the log to no traceback).
+    nested = b"[" * depth + b"]" * depth
+    bodies = {
+        "prompt": (COMPLETIONS, b'{"prompt": ' + nested + b"}"),
+        "content": (CHATS, b'{"messages": [{"role": "user", "content": ' + nested + b"}]}"),
+        "extra_field": (
+            CHATS,
+            b'{"messages": [{"role": "user", "content": "x", "extra": ' + nested + b"}]}",
+        ),
+        "tool_arguments": (
+            CHATS,
+            b'{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"type": '
+            b'"function", "function": {"name": "f", "arguments": {"a": ' + nested + b"}}}]}]}",
+        ),
+    }
+    path, body = bodies[where]
+    async with http(default_server) as client:
+        response = await client.post(path, content=body, headers=JSON_HEADERS)
+        assert response.status_code == 400, response.text[:300]
+        assert_openai_error(response.json(), 400)
         await completion(client, prompt=PROMPT, max_tokens=2)
 
 

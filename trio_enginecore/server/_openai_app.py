@@ -52,6 +52,7 @@ from ._openai_requests import (
     parse_completion,
     parse_detokenize,
     parse_tokenize,
+    too_deep,
 )
 from ._openai_responses import (
     DONE,
@@ -207,6 +208,8 @@ class OpenAIApp:
         self._names = frozenset(settings.served_model_names)
         self.max_model_len = llm.max_model_len
         engines = [e for e in getattr(llm.client, "engines", ()) if e is not None]
+        self._ranks = len(getattr(llm.client, "engines", ())) or 1
+        """The data-parallel ranks a request may name (``X-data-parallel-rank``)."""
         if metrics is None:
             metrics = VllmMetrics(
                 model_name=self.model_name,
@@ -292,6 +295,10 @@ class OpenAIApp:
             return _error(_engine_dead(error))
         except RequestFailedError as error:
             return _error(_request_failed(error))
+        except RecursionError:
+            # Only a request nested deeper than Python walks gets here (the body
+            # decoded, then its messages prepared or rendered): the client's mistake.
+            return _error(too_deep())
 
     def _authorized(self, request: Request) -> bool:
         header = request.headers.get("authorization")
@@ -537,7 +544,9 @@ class OpenAIApp:
                 len(text),
             )
 
-    def _generate(self, prepared: _Prepared, request: Request, priority: int) -> Any:
+    def _generate(
+        self, prepared: _Prepared, request: Request, body: CompletionRequest | ChatRequest
+    ) -> Any:
         prompt: dict[str, Any] = {"prompt_token_ids": prepared.token_ids}
         if prepared.text is not None:
             prompt["prompt"] = prepared.text
@@ -546,12 +555,18 @@ class OpenAIApp:
             data_parallel_rank = int(rank) if rank is not None else None
         except ValueError:
             raise ApiError(f"X-data-parallel-rank must be an integer, got {rank!r}") from None
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < self._ranks:
+            # vLLM's frontend refuses it so, after the request's own checks.
+            raise ApiError(
+                f"data_parallel_rank {data_parallel_rank} is out of range [0, {self._ranks})."
+            )
         return self.llm.generate(
             prompt,  # type: ignore[arg-type]  # a TokensPrompt with its text
             prepared.params,
             request_id=prepared.request_id,
-            priority=priority,
+            priority=body.priority,
             data_parallel_rank=data_parallel_rank,
+            cache_salt=body.cache_salt,
         )
 
     def _engine_ids(self, prepared: _Prepared) -> list[str]:
@@ -577,7 +592,7 @@ class OpenAIApp:
             )
             for i, prompt in enumerate(prompts)
         ]
-        blocks = [self._generate(p, request, body.priority) for p in prepared]
+        blocks = [self._generate(p, request, body) for p in prepared]
         release = self._slots.take()
         created = int(time.time())
         if body.stream:
@@ -805,7 +820,7 @@ class OpenAIApp:
         if body.echo and last_role == role:
             content = _last_field(messages, "content")
             echo_text = content if isinstance(content, str) else ""
-        block = self._generate(prepared, request, body.priority)
+        block = self._generate(prepared, request, body)
         release = self._slots.take()
         created = int(time.time())
         if body.stream:

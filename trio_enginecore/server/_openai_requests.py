@@ -44,6 +44,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+_CACHE_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 
@@ -224,9 +225,17 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
             )
         if self.use_beam_search:
             raise ApiError("beam search is not supported by this server", param="use_beam_search")
-        if self.cache_salt is not None and not self.cache_salt:
+        salt = self.cache_salt
+        if salt is not None and not salt:
             raise ApiError.invalid(
                 "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
+            )
+        if salt is not None and (len(salt) > 128 or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt)):
+            # vLLM's rule, for the cache backends it reaches (separators, path parts).
+            raise ApiError.invalid(
+                "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                "'@', '/', '\\\\', or NUL.",
+                "cache_salt",
             )
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
             raise ApiError(
@@ -605,6 +614,13 @@ def max_tokens_for(
 _JSON = msgspec.json.Decoder()
 
 
+def too_deep() -> ApiError:
+    """The 400 of arrays or objects nested about a thousand deep: what Python cannot
+    decode, or walk (a chat's messages, a template's ``tojson``), within its recursion
+    limit."""
+    return ApiError("The request body is nested too deeply")
+
+
 def decode_json_object(body: bytes) -> dict[str, Any]:
     """A request body that must be a JSON object.
 
@@ -615,6 +631,8 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         value: object = _JSON.decode(body)
     except msgspec.DecodeError as exc:
         raise ApiError(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise too_deep() from None
     if not isinstance(value, dict):
         raise ApiError(f"The request body must be a JSON object, not {_json_type(value)}")
     return cast("dict[str, Any]", value)  # JSON objects have str keys

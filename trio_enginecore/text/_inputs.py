@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, NotRequired, TypedDict, cast
 
 import msgspec
@@ -288,22 +288,17 @@ def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     # vLLM's frontend checks these before anything reaches its engine, whose sampler
     # indexes the logits with them: an id past the vocabulary would fail the engine's
     # step (every request on it), not this request. Same order, same words.
-    if params.logit_bias:
-        outside = [t for t in params.logit_bias if t < 0 or t >= vocab_size]
+    indexed: tuple[tuple[str, Iterable[int] | None], ...] = (
+        ("logit_bias", params.logit_bias),
+        ("stop_token_ids", params.stop_token_ids),
+    )
+    for param, ids in indexed:
+        outside = [t for t in ids or () if t < 0 or t >= vocab_size]
         if outside:
             raise _vllm_refusal(
-                f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+                f"token_id(s) {outside} in {param} contain out-of-vocab token ids. "
                 f"Vocabulary size: {vocab_size}",
-                "logit_bias",
-                outside,
-            )
-    if params.stop_token_ids:
-        outside = [t for t in params.stop_token_ids if t < 0 or t >= vocab_size]
-        if outside:
-            raise _vllm_refusal(
-                f"token_id(s) {outside} in stop_token_ids contain out-of-vocab token ids. "
-                f"Vocabulary size: {vocab_size}",
-                "stop_token_ids",
+                param,
                 outside,
             )
     allowed = params.allowed_token_ids

@@ -773,6 +773,14 @@ async def test_metrics_count_exactly_what_a_request_generated(default_server: Ap
         assert moved("vllm:request_generation_tokens_sum") == 9
         assert moved("vllm:request_prompt_tokens_sum") == prompt_tokens
         assert moved("vllm:request_params_max_tokens_sum") == 9
+        # The engine's own timings and its scheduler's statistics (on, as in vllm serve).
+        for name in (
+            "vllm:request_queue_time_seconds_count",
+            "vllm:request_prefill_time_seconds_count",
+            "vllm:request_decode_time_seconds_count",
+            "vllm:request_inference_time_seconds_count",
+        ):
+            assert moved(name) == 1, name
 
         # A streamed request that meets a stop string: its tokens count, as generated.
         reference = await greedy_text(client, 12)
@@ -1288,6 +1296,9 @@ async def test_a_client_that_leaves_mid_stream_has_its_engine_request_aborted(
             assert sample(generating, "vllm:generation_tokens_total") > sample(
                 before, "vllm:generation_tokens_total"
             )
+            # The engine's scheduler says it runs it (its statistics, as vLLM's).
+            assert sample(generating, "vllm:num_requests_running") == 1
+            assert sample(generating, "vllm:kv_cache_usage_perc") > 0
         # Gone: the engine stops working for it, and nothing counts it as done.
         await wait_engine_idle(engine)
         after = await metrics(client)

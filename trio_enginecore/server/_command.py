@@ -132,6 +132,13 @@ def add_api_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="the reference engine's longest prompt plus output (default: its own)",
     )
     engines.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="the reference engine sends no scheduler statistics or request events: "
+        "/metrics then has no requests running or waiting, KV cache use, queue, prefill "
+        "or decode times (as with vLLM's flag of that name; pass it to vLLM after --)",
+    )
+    engines.add_argument(
         "--vllm",
         action="store_true",
         help="launch vLLM's engine cores serving --model (flags for `vllm serve` after --)",
@@ -324,6 +331,8 @@ async def _start_and_serve(args: argparse.Namespace, stopping: _Stopping) -> Non
         if args.max_model_len is not None:
             changes["max_model_len"] = args.max_model_len
         changes["max_logprobs"] = args.max_logprobs
+        # As `vllm serve`: the engine's statistics on, for /metrics.
+        changes["log_stats"] = not args.disable_log_stats
         config = EngineConfig(**changes)
     listeners = await trio.open_tcp_listeners(args.port, host=args.host)
     opened = cast(

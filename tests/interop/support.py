@@ -276,3 +276,16 @@ def vllm_process(
         yield process
     finally:
         process.stop()
+
+
+def run_to_the_end(script: str, args: Sequence[str], log_path: Path, timeout_s: float) -> Any:
+    """Run a vLLM-side script that works through its inputs and reports once: its
+    report, which must say ``done``, with no ERROR line in its log."""
+    process = VllmProcess(script, args, log_path)
+    try:
+        report = process.next_report(timeout_s)
+    finally:
+        process.stop()
+    assert report["event"] == "done", report
+    assert error_lines(process.log()) == []
+    return report

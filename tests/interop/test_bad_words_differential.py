@@ -20,7 +20,7 @@ from trio_enginecore.errors import InvalidInputError
 from trio_enginecore.text import load_tokenizer
 from trio_enginecore.text._inputs import bad_words_token_ids
 
-from .support import VllmProcess, error_lines, newest_release_only, require_vllm
+from .support import newest_release_only, require_vllm, run_to_the_end
 
 require_vllm()
 newest_release_only("our text layer is held to vLLM's newest frontend")
@@ -55,15 +55,9 @@ def test_bad_words_become_vllms_token_sequences(tmp_path: Path) -> None:
     cases = _cases([p for p in pieces if p.strip()], random.Random(20261207))
     cases_file, results_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases), encoding="utf-8")
-    process = VllmProcess(
-        "bad_words.py", [str(model), str(cases_file), str(results_file)], tmp_path / "log"
+    run_to_the_end(
+        "bad_words.py", [str(model), str(cases_file), str(results_file)], tmp_path / "log", 300
     )
-    try:
-        report = process.next_report(300)
-    finally:
-        process.stop()
-    assert report["event"] == "done", report
-    assert error_lines(process.log()) == []
     theirs = json.loads(results_file.read_text(encoding="utf-8"))
     assert len(theirs) == len(cases)
     differences = []

@@ -29,7 +29,7 @@ from tests.text.cases import make_cases, run_case
 from tests.text.tokenizers_for_tests import write_tricky_dir
 from trio_enginecore.text import load_tokenizer
 
-from .support import VllmProcess, error_lines, newest_release_only, require_vllm, vllm_release
+from .support import newest_release_only, require_vllm, run_to_the_end, vllm_release
 
 require_vllm()
 newest_release_only("our text layer is held to vLLM's newest output processor")
@@ -45,15 +45,12 @@ def test_our_text_is_vllms_output_processors_case_by_case(tmp_path: Path) -> Non
     cases = make_cases(tokenizer, seed=seed, count=COUNT)
     cases_file, results_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases), encoding="utf-8")
-    process = VllmProcess(
-        "output_processor.py", [str(model), str(cases_file), str(results_file)], tmp_path / "log"
+    report = run_to_the_end(
+        "output_processor.py",
+        [str(model), str(cases_file), str(results_file)],
+        tmp_path / "log",
+        300,
     )
-    try:
-        report = process.next_report(300)
-    finally:
-        process.stop()
-    assert report["event"] == "done", report
-    assert error_lines(process.log()) == []
     theirs = json.loads(results_file.read_text(encoding="utf-8"))
     assert len(theirs) == len(cases) >= 2000
 

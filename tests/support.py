@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 from collections.abc import Awaitable, Callable
@@ -98,11 +99,35 @@ def process_is_running(pid: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (a test binds it just after)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port free on ``host`` right now (a test binds it just after).
+
+    Taken below the kernel's ephemeral range: a port in that range can be taken,
+    between now and the test's bind, as the local end of any outgoing connection (of
+    another test worker, or of a proxy connecting to it before anyone listens there,
+    which the kernel may answer with a connection to itself). Seen once in CI: "Address
+    already in use" on a port this function had given.
+    """
+    low = _ephemeral_ports_start()
+    if low < 2048:  # no room below it: any free port
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            free: int = sock.getsockname()[1]
+            return free
+    while True:
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class _StepCounter(trio.abc.Instrument):
